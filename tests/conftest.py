@@ -1,0 +1,49 @@
+"""Shared fixtures: every child process a test starts is reaped at the end of the session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    kids = [int(x) for x in out.split()]
+    return kids + [g for k in kids for g in _children(k)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reap_children() -> Iterator[None]:
+    """Kill any process a test left behind (including grandchildren)."""
+    yield
+    for pid in _children(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def child_env() -> dict[str, str]:
+    """Environment for subprocesses: one torch thread each, repo on the path."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
