@@ -41,12 +41,13 @@ def read_header(header: bytes, *, max_frame: int = DEFAULT_MAX_FRAME) -> int:
 class FrameDecoder:
     """Feed bytes in any chunking; get complete payloads (or messages) out."""
 
-    __slots__ = ("_buf", "_need", "max_frame")
+    __slots__ = ("_broken", "_buf", "_need", "max_frame")
 
     def __init__(self, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.max_frame = max_frame
         self._buf = bytearray()
         self._need: int | None = None  # payload length of the frame in progress
+        self._broken: ProtocolError | None = None  # a stream that lied once is done
 
     @property
     def buffered(self) -> int:
@@ -54,14 +55,26 @@ class FrameDecoder:
         return len(self._buf)
 
     def feed(self, data: bytes) -> list[bytes]:
-        """Add bytes; return every payload completed by them, in order."""
+        """Add bytes; return every payload completed by them, in order.
+
+        After a refused header the decoder drops its buffer and refuses all further input.
+        """
+        if self._broken is not None:
+            raise ProtocolError(f"stream already refused: {self._broken}")
         self._buf += data
         out: list[bytes] = []
         while True:
             if self._need is None:
                 if len(self._buf) < HEADER_SIZE:
                     return out
-                self._need = read_header(bytes(self._buf[:HEADER_SIZE]), max_frame=self.max_frame)
+                try:
+                    self._need = read_header(
+                        bytes(self._buf[:HEADER_SIZE]), max_frame=self.max_frame
+                    )
+                except ProtocolError as exc:
+                    self._broken = exc
+                    self._buf.clear()
+                    raise
                 del self._buf[:HEADER_SIZE]
             if len(self._buf) < self._need:
                 return out

@@ -52,7 +52,8 @@ class Message:
     _SPECS: ClassVar[tuple[_FieldSpec, ...]] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"t": self.TYPE, "v": self.VERSION}
+        """Plain data for msgpack; records (untagged) carry no `t` / `v`."""
+        out: dict[str, Any] = {"t": self.TYPE, "v": self.VERSION} if self.TYPE else {}
         out.update(self._fields_to_wire())
         return out
 

@@ -1,0 +1,243 @@
+"""Unit and property tests for the protocol core: codec, messages, framing, tensors, signing."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import protocol
+from protocol import (
+    EncodedTensor,
+    FrameDecoder,
+    NodeKey,
+    ProtocolError,
+    ReplayGuard,
+    TensorFrame,
+    decode,
+    encode,
+    frame,
+    packb,
+    sign_request,
+    verify_request,
+)
+from protocol.control import ErrorReply
+from protocol.corpus import Manifest, ShardInfo
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**64), max_value=2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+
+
+def _samples() -> list[protocol.Message]:
+    key = NodeKey(b"\x07" * 32)
+    shard = ShardInfo(shard_id=3, start=10, tokens=5, sha256="a" * 64)
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    return [
+        ErrorReply(code="fenced", detail="lease 4 epoch 2 < 3"),
+        sign_request(key, ErrorReply(code="x"), now=1000.0),
+        Manifest(name="m", content_hash="b" * 64, total_tokens=5, train=[shard], heldout=[]),
+        EncodedTensor(codec="raw", shape=[2, 3], parts=[TensorFrame.from_numpy(arr)]),
+    ]
+
+
+@pytest.mark.parametrize("msg", _samples(), ids=lambda m: type(m).__name__)
+def test_round_trip(msg: protocol.Message) -> None:
+    if msg.TYPE:
+        assert decode(encode(msg)) == msg
+    else:  # a record travels inside messages, without a type tag
+        assert type(msg).from_wire(protocol.unpackb(packb(msg.to_wire()))) == msg
+
+
+def test_unknown_fields_are_ignored_and_missing_ones_refused() -> None:
+    wire = ErrorReply(code="c").to_wire() | {"future_field": [1, 2]}
+    assert decode(packb(wire)) == ErrorReply(code="c")
+    del wire["code"]
+    with pytest.raises(ProtocolError, match="missing field 'code'"):
+        decode(packb(wire))
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [{"code": 5}, {"code": "x" * 65}, {"v": 0}, {"v": True}, {"t": "nope"}, {"t": 3}],
+)
+def test_bad_field_values_raise_protocol_error(patch: dict[str, object]) -> None:
+    with pytest.raises(ProtocolError):
+        decode(packb(ErrorReply(code="c").to_wire() | patch))
+
+
+def test_trailing_bytes_and_non_map_refused() -> None:
+    with pytest.raises(ProtocolError, match="trailing"):
+        decode(encode(ErrorReply(code="c")) + b"\x00")
+    with pytest.raises(ProtocolError, match="must be a map"):
+        decode(packb([1, 2]))
+
+
+def test_oversized_payload_refused_before_parsing() -> None:
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        decode(b"\x00" * 101, max_size=100)
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_random_bytes_only_raise_protocol_error(data: bytes) -> None:
+    try:
+        decode(data)
+    except ProtocolError:
+        pass
+
+
+@FUZZ
+@given(st.sampled_from(_samples()), st.data())
+def test_mutated_messages_only_raise_protocol_error(
+    msg: protocol.Message, data: st.DataObject
+) -> None:
+    raw = bytearray(encode(msg))
+    for _ in range(data.draw(st.integers(1, 4))):
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        pos = data.draw(st.integers(0, max(len(raw) - 1, 0)))
+        if op == "flip" and raw:
+            raw[pos] ^= data.draw(st.integers(1, 255))
+        elif op == "cut":
+            del raw[pos:]
+        else:
+            raw[pos:pos] = data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        decode(bytes(raw))
+    except ProtocolError:
+        pass
+
+
+@FUZZ
+@given(
+    st.sampled_from(protocol.registered_tags()),
+    st.dictionaries(st.text(max_size=10), msgpack_values),
+)
+def test_random_fields_for_every_message_type_only_raise_protocol_error(
+    tag: str, fields: dict[str, object]
+) -> None:
+    try:
+        decode(packb({**fields, "t": tag, "v": 1}))
+    except ProtocolError:
+        pass
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=200), max_size=8), st.integers(1, 50))
+def test_frame_decoder_is_independent_of_chunking(payloads: list[bytes], chunk: int) -> None:
+    stream = b"".join(frame(p) for p in payloads)
+    dec = FrameDecoder()
+    got: list[bytes] = []
+    for i in range(0, len(stream), chunk):
+        got.extend(dec.feed(stream[i : i + chunk]))
+    assert got == payloads
+    assert dec.buffered == 0
+
+
+def test_frame_claiming_gigabytes_refused_at_the_header() -> None:
+    dec = FrameDecoder(max_frame=1 << 20)
+    with pytest.raises(ProtocolError, match="above the limit"):
+        dec.feed(struct.pack(">I", 2 << 30) + b"xx")
+    assert dec.buffered == 0
+    with pytest.raises(ProtocolError, match="already refused"):
+        dec.feed(b"more")
+
+
+@FUZZ
+@given(st.binary(max_size=500))
+def test_frame_decoder_messages_only_raise_protocol_error(data: bytes) -> None:
+    try:
+        FrameDecoder(max_frame=256).feed_messages(data)
+    except ProtocolError:
+        pass
+
+
+def test_tensor_frame_validation() -> None:
+    ok = TensorFrame.from_numpy(np.ones((2, 3), np.float32))
+    assert ok.to_numpy(expect_dtype="float32", expect_shape=(None, 3)).shape == (2, 3)
+    with pytest.raises(ProtocolError, match="expected"):
+        ok.to_numpy(expect_shape=(2, 4))
+    with pytest.raises(ProtocolError, match="dtype"):
+        ok.to_numpy(expect_dtype="float16")
+    with pytest.raises(ProtocolError, match="does not match"):
+        TensorFrame(dtype="float32", shape=[2, 3], data=b"\0" * 23).to_numpy()
+    nan = TensorFrame.from_numpy(np.array([1.0, np.nan], np.float32))
+    with pytest.raises(ProtocolError, match="NaN"):
+        nan.to_numpy()
+    inf = TensorFrame.from_numpy(np.array([np.inf], np.float16))
+    with pytest.raises(ProtocolError, match="NaN or Inf"):
+        inf.to_numpy()
+    with pytest.raises(ProtocolError, match="bad shape"):
+        TensorFrame(dtype="int8", shape=[-1], data=b"").to_numpy()
+
+
+@FUZZ
+@given(
+    st.sampled_from(["float32", "float16", "int8", "int64"]),
+    st.lists(st.integers(0, 2**40), max_size=4),
+    st.binary(max_size=64),
+)
+def test_tensor_frame_decoder_only_raises_protocol_error(
+    dtype: str, shape: list[int], data: bytes
+) -> None:
+    try:
+        TensorFrame(dtype=dtype, shape=shape, data=data).to_numpy()
+    except ProtocolError:
+        pass
+
+
+def test_signed_requests_verify_once_and_refuse_tampering_replay_and_skew() -> None:
+    key = NodeKey.generate()
+    body = ErrorReply(code="hello")
+    guard = ReplayGuard(skew_s=30)
+    req = decode(encode(sign_request(key, body, now=1000.0)))
+    assert isinstance(req, protocol.SignedRequest)
+    assert verify_request(req, now=1001.0, guard=guard) == body
+    with pytest.raises(ProtocolError, match="replayed"):
+        verify_request(req, now=1002.0, guard=guard)
+    fresh = sign_request(key, body, now=1000.0)
+    tampered = protocol.SignedRequest(
+        key=fresh.key,
+        ts=fresh.ts,
+        nonce=fresh.nonce,
+        body=encode(ErrorReply(code="evil")),
+        sig=fresh.sig,
+    )
+    with pytest.raises(ProtocolError, match="bad signature"):
+        verify_request(tampered, now=1000.0, guard=guard)
+    other = NodeKey.generate()
+    stolen = protocol.SignedRequest(
+        key=other.public_key, ts=fresh.ts, nonce=fresh.nonce, body=fresh.body, sig=fresh.sig
+    )
+    with pytest.raises(ProtocolError, match="bad signature"):
+        verify_request(stolen, now=1000.0, guard=guard)
+    with pytest.raises(ProtocolError, match="outside"):
+        verify_request(sign_request(key, body, now=0.0), now=1000.0, guard=guard)
+
+
+def test_replay_guard_memory_is_bounded() -> None:
+    guard = ReplayGuard(skew_s=10, max_entries=100)
+    for i in range(1000):
+        guard.check(b"k", i.to_bytes(16, "big"), ts=500.0, now=500.0)
+    assert len(guard._seen) <= 100
+
+
+def test_peer_id_matches_libp2p_format() -> None:
+    key = NodeKey(b"\x01" * 32)
+    # Computed by libp2p 0.8.1: ID.from_pubkey(create_new_key_pair(b"\x01"*32).public_key)
+    assert key.peer_id == "12D3KooWK99VoVxNE7XzyBwXEzW7xhK7Gpv85r9F3V3fyKSUKPH5"
+    assert "seed" not in repr(key) and key.seed.hex() not in repr(key)
