@@ -1,0 +1,79 @@
+"""Next-hop choice for micro-batches: lowest expected finish time, with bans.
+
+Pure and clock-injected. For each candidate peer of the next stage the router estimates
+`(queued + 1) * seconds_per_item`, where the per-item time is an exponential moving
+average of measured round trips, and picks the smallest after multiplying by a little
+random jitter so that load spreads. A peer that errors or times out is banned for a
+back-off that doubles with each consecutive failure and resets on success.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PeerStats:
+    seconds_per_item: float  # EMA of measured request time (s)
+    in_flight: int = 0  # requests sent and not yet answered
+    failures: int = 0  # consecutive failures
+    banned_until: float = 0.0  # monotonic seconds
+
+
+@dataclass(kw_only=True, slots=True)
+class Router:
+    prior_s: float = 0.5  # assumed seconds per item for a peer never measured
+    ema: float = 0.3  # weight of the newest measurement
+    jitter: float = 0.2  # multiplicative randomness, 0 = deterministic
+    ban_base_s: float = 2.0  # first ban length (s)
+    ban_max_s: float = 60.0  # longest ban (s)
+    rng: random.Random = field(default_factory=random.Random)
+    peers: dict[str, PeerStats] = field(default_factory=dict)
+
+    def _stats(self, peer: str) -> PeerStats:
+        st = self.peers.get(peer)
+        if st is None:
+            st = self.peers[peer] = PeerStats(seconds_per_item=self.prior_s)
+        return st
+
+    def expected_finish(self, peer: str) -> float:
+        st = self._stats(peer)
+        return (st.in_flight + 1) * st.seconds_per_item
+
+    def choose(
+        self, candidates: list[str], now: float, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> str | None:
+        """The candidate with the lowest jittered expected finish time, or None."""
+        live = [p for p in candidates if p not in exclude and self._stats(p).banned_until <= now]
+        if not live:
+            return None
+        return min(
+            live,
+            key=lambda p: self.expected_finish(p) * (1 + self.jitter * self.rng.random()),
+        )
+
+    def started(self, peer: str) -> None:
+        self._stats(peer).in_flight += 1
+
+    def succeeded(self, peer: str, elapsed_s: float) -> None:
+        st = self._stats(peer)
+        st.in_flight = max(0, st.in_flight - 1)
+        st.failures = 0
+        # A reply took `elapsed_s` with `in_flight + 1` items queued at the peer.
+        per_item = elapsed_s / (st.in_flight + 1)
+        st.seconds_per_item += self.ema * (per_item - st.seconds_per_item)
+
+    def failed(self, peer: str, now: float) -> float:
+        """Record a failure; returns the ban length in seconds."""
+        st = self._stats(peer)
+        st.in_flight = max(0, st.in_flight - 1)
+        st.failures += 1
+        ban = min(self.ban_max_s, self.ban_base_s * 2.0 ** (st.failures - 1))
+        st.banned_until = now + ban
+        return ban
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the stats of peers that left the membership view (bounded memory)."""
+        for peer in set(self.peers) - keep:
+            del self.peers[peer]

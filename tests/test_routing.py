@@ -1,0 +1,46 @@
+"""Unit tests for the next-hop router."""
+
+from __future__ import annotations
+
+import random
+
+from node.routing import Router
+
+
+def _router(**kw: float) -> Router:
+    return Router(rng=random.Random(0), **kw)  # type: ignore[arg-type]
+
+
+def test_prefers_the_faster_peer_and_spreads_load() -> None:
+    r = _router(jitter=0.0)
+    r.succeeded("fast", 0.1)
+    r.succeeded("slow", 1.0)
+    assert r.choose(["fast", "slow"], now=0) == "fast"
+    for _ in range(8):  # queueing on the fast peer eventually makes the slow one cheaper
+        r.started("fast")
+    assert r.choose(["fast", "slow"], now=0) == "slow"
+
+
+def test_jitter_spreads_ties() -> None:
+    r = _router(jitter=0.5)
+    picks = {r.choose(["a", "b", "c"], now=0) for _ in range(100)}
+    assert picks == {"a", "b", "c"}
+
+
+def test_failures_ban_with_doubling_backoff_and_success_resets() -> None:
+    r = _router(jitter=0.0, ban_base_s=1.0, ban_max_s=5.0)
+    assert [r.failed("a", now=0) for _ in range(4)] == [1.0, 2.0, 4.0, 5.0]
+    assert r.choose(["a", "b"], now=4.9) == "b"
+    assert r.choose(["a"], now=4.9) is None
+    assert r.choose(["a"], now=5.1) == "a"
+    r.succeeded("a", 0.2)
+    assert r.failed("a", now=10) == 1.0
+
+
+def test_exclude_and_forget() -> None:
+    r = _router(jitter=0.0)
+    assert r.choose(["a", "b"], now=0, exclude={"a"}) == "b"
+    r.started("a")
+    r.started("b")
+    r.forget({"b"})
+    assert set(r.peers) == {"b"}
