@@ -5,7 +5,7 @@ Public contract: `encode(msg) -> bytes`, `decode(data) -> Message`; anything mal
 raises `ProtocolError` and nothing else.
 """
 
-from protocol import control, dataplane
+from protocol import control, dataplane, pipeline
 from protocol.codec import DEFAULT_MAX_FRAME, decode, encode, packb, unpackb
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame, frame_message
@@ -33,6 +33,7 @@ __all__ = [
     "frame_message",
     "message",
     "packb",
+    "pipeline",
     "peer_id_from_public_key",
     "record",
     "registered_tags",
