@@ -1,0 +1,281 @@
+"""The DiLoCo outer-step math: pseudo-gradients, robust token-weighted averaging, elastic
+Nesterov with a participation-adaptive learning rate, staleness, and the overlap merge.
+
+Pure torch, no I/O and no hivemind: the outer-loop process (`node.outer`) calls these
+functions, and the tests check them against hand-computed references. Every tensor here
+is a flat fp32 vector (one per stage: all parameters concatenated), so the order of
+floating-point operations is fixed and replicas that feed the same bytes in the same
+order get bitwise-identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class DilocoConfig:
+    """Outer optimizer settings (DESIGN.md section 6)."""
+
+    eta: float = 0.7  # outer learning rate (dimensionless)
+    mu: float = 0.9  # outer Nesterov momentum (dimensionless)
+    target_tokens: int = (
+        0  # tokens one full round gathers over the stage group (tokens); 0 = no scaling
+    )
+    participation_power: float = 0.5  # p in eta_r = eta * min(1, tokens/target)^p (dimensionless)
+    staleness_decay: float = 0.5  # weight multiplier per round a contribution lags (dimensionless)
+    max_staleness: int = 2  # contributions lagging more rounds than this are dropped (rounds)
+    max_rel_norm: float = 1.0  # reject ||delta|| > max_rel_norm * ||theta_g|| (dimensionless)
+    max_median_ratio: float = (
+        20.0  # with >= 3 contributions, reject norm > ratio * median (dimensionless)
+    )
+    clip_radius: float = (
+        0.0  # centered-clipping radius tau (parameter units); 0 = plain weighted mean
+    )
+    clip_iters: int = 3  # centered-clipping iterations (count)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.eta <= 10.0:
+            raise ValueError(f"eta must be in (0, 10], got {self.eta}")
+        if not 0.0 <= self.mu < 1.0:
+            raise ValueError(f"mu must be in [0, 1), got {self.mu}")
+        if self.target_tokens < 0:
+            raise ValueError(f"target_tokens must be >= 0, got {self.target_tokens}")
+        if not 0.0 <= self.participation_power <= 2.0:
+            raise ValueError(
+                f"participation_power must be in [0, 2], got {self.participation_power}"
+            )
+        if not 0.0 <= self.staleness_decay <= 1.0:
+            raise ValueError(f"staleness_decay must be in [0, 1], got {self.staleness_decay}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_rel_norm <= 0.0 or self.max_median_ratio <= 1.0:
+            raise ValueError(
+                f"max_rel_norm must be > 0 and max_median_ratio > 1, got "
+                f"{self.max_rel_norm} and {self.max_median_ratio}"
+            )
+        if self.clip_radius < 0.0 or self.clip_iters < 1:
+            raise ValueError(
+                f"clip_radius must be >= 0 and clip_iters >= 1, got {self.clip_radius}, {self.clip_iters}"
+            )
+
+
+@dataclass(slots=True)
+class OuterState:
+    """A replica's copy of the global state of its stage."""
+
+    theta_g: torch.Tensor  # flat fp32 global parameters at the last outer step
+    m: torch.Tensor  # flat fp32 outer momentum
+    round: int = 0  # outer steps applied so far
+
+    @classmethod
+    def fresh(cls, theta: torch.Tensor) -> OuterState:
+        flat = theta.detach().to(torch.float32).flatten().clone()
+        return cls(theta_g=flat, m=torch.zeros_like(flat), round=0)
+
+
+@dataclass(slots=True)
+class Contribution:
+    """One replica's pseudo-gradient for a round."""
+
+    delta: torch.Tensor  # flat fp32, theta_g - theta
+    tokens: int  # tokens trained since theta_g
+    staleness: int = 0  # rounds its base theta_g lags the group head
+
+
+@dataclass(slots=True)
+class Aggregate:
+    """The result of averaging a round's contributions."""
+
+    delta: torch.Tensor | None  # D, or None when nothing was accepted
+    tokens: int  # tokens of the accepted contributions
+    weights: list[float]  # effective weight per contribution (0 when rejected)
+    rejected: dict[int, str] = field(default_factory=dict)  # index -> reason
+
+
+@dataclass(slots=True)
+class StepReport:
+    applied: bool
+    round: int
+    eta_r: float
+    tokens: int
+    accepted: int
+    rejected: dict[int, str]
+
+
+def pseudo_gradient(theta_g: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """`delta = theta_g - theta` as a flat fp32 vector."""
+    if theta_g.numel() != theta.numel():
+        raise ValueError(f"theta has {theta.numel()} elements, theta_g has {theta_g.numel()}")
+    return theta_g.flatten().to(torch.float32) - theta.flatten().to(torch.float32)
+
+
+def participation_lr(eta: float, tokens: int, target_tokens: int, power: float) -> float:
+    """Outer learning rate for a round that gathered `tokens` of its `target_tokens`.
+
+    `eta_r = eta * min(1, tokens / target_tokens) ** power`; `target_tokens == 0` turns the
+    scaling off. The default `power = 0.5` comes from the noise of the average: D averages
+    `tokens` worth of gradient information, so its noise has standard deviation proportional
+    to `1 / sqrt(tokens)`. Scaling the step by `sqrt(tokens / target)` keeps the noise of
+    the applied step at the level of a full round, while a round with less evidence moves
+    the global parameters less. `power = 1` is the linear (more conservative) rule and
+    `power = 0` ignores participation. Rounds never step further than `eta`.
+    """
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if target_tokens <= 0:
+        return eta
+    frac = min(1.0, tokens / target_tokens)
+    return float(eta * frac**power)
+
+
+def staleness_weight(staleness: int, decay: float, max_staleness: int) -> float:
+    """Multiplier for a contribution computed against a `theta_g` `staleness` rounds old:
+    `decay ** staleness`, and 0 past `max_staleness` (dropped)."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    if staleness > max_staleness:
+        return 0.0
+    return float(decay**staleness)
+
+
+def rejection_reason(delta: torch.Tensor, ref_norm: float, cfg: DilocoConfig) -> str | None:
+    """Why a single contribution is unusable on its own (non-finite or absurd norm), or None."""
+    if not bool(torch.isfinite(delta).all()):
+        return "non-finite values"
+    norm = float(torch.linalg.vector_norm(delta))
+    limit = cfg.max_rel_norm * max(ref_norm, 1e-12)
+    if norm > limit:
+        return f"norm {norm:.3g} above max_rel_norm * ||theta_g|| = {limit:.3g}"
+    return None
+
+
+def centered_clip(
+    deltas: Sequence[torch.Tensor], weights: Sequence[float], tau: float, iters: int
+) -> torch.Tensor:
+    """Weighted centered clipping (Karimireddy et al. 2021) started at the weighted medoid
+    (the contribution with the least weighted distance to the others):
+    `v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i`, where clip scales a vector down to
+    norm `tau`. An outlier moves the result by at most `tau * w_i / sum w` per iteration."""
+    total = float(sum(weights))
+    live = [i for i, w in enumerate(weights) if w != 0.0]
+    cost = {
+        i: sum(weights[j] * float(torch.linalg.vector_norm(deltas[i] - deltas[j])) for j in live)
+        for i in live
+    }
+    v = deltas[min(live, key=lambda i: (cost[i], i))].clone()
+    for _ in range(iters):
+        acc = torch.zeros_like(v)
+        for x, w in zip(deltas, weights, strict=True):
+            if w == 0.0:
+                continue
+            diff = x - v
+            norm = float(torch.linalg.vector_norm(diff))
+            scale = min(1.0, tau / norm) if norm > 0.0 else 1.0
+            acc.add_(diff, alpha=w * scale)
+        v = v + acc / total
+    return v
+
+
+def _weighted_mean(
+    deltas: Sequence[torch.Tensor], weights: Sequence[float], total: float
+) -> torch.Tensor:
+    acc = torch.zeros_like(deltas[0])
+    for x, w in zip(deltas, weights, strict=True):
+        if w != 0.0:
+            acc.add_(x, alpha=w)
+    return acc / total
+
+
+def aggregate(contribs: Sequence[Contribution], ref_norm: float, cfg: DilocoConfig) -> Aggregate:
+    """Token- and staleness-weighted average `D = sum w_i delta_i / sum w_i` of the usable
+    contributions, with `w_i = tokens_i * staleness_weight(staleness_i)`.
+
+    Rejected: non-finite or absurd-norm deltas (see `rejection_reason`), with three or more
+    candidates also those whose norm exceeds `max_median_ratio` times the median, zero-token
+    ones and ones past the staleness bound. With `clip_radius > 0` the mean is replaced by
+    centered clipping. The result depends only on the inputs and their order.
+    """
+    rejected: dict[int, str] = {}
+    weights: list[float] = []
+    norms: dict[int, float] = {}
+    for i, c in enumerate(contribs):
+        reason = rejection_reason(c.delta, ref_norm, cfg)
+        sw = staleness_weight(c.staleness, cfg.staleness_decay, cfg.max_staleness)
+        if reason is None and c.tokens <= 0:
+            reason = "no tokens"
+        if reason is None and sw == 0.0:
+            reason = f"staleness {c.staleness} above bound {cfg.max_staleness}"
+        if reason is not None:
+            rejected[i] = reason
+            weights.append(0.0)
+            continue
+        norms[i] = float(torch.linalg.vector_norm(c.delta))
+        weights.append(c.tokens * sw)
+    if len(norms) >= 3:
+        median = sorted(norms.values())[(len(norms) - 1) // 2]
+        for i, n in norms.items():
+            if n > cfg.max_median_ratio * max(median, 1e-12):
+                rejected[i] = f"norm {n:.3g} above {cfg.max_median_ratio} x median {median:.3g}"
+                weights[i] = 0.0
+    total = float(sum(weights))
+    tokens = sum(c.tokens for i, c in enumerate(contribs) if weights[i] > 0.0)
+    if total <= 0.0:
+        return Aggregate(delta=None, tokens=0, weights=weights, rejected=rejected)
+    deltas = [c.delta for c in contribs]
+    if cfg.clip_radius > 0.0:
+        d = centered_clip(deltas, weights, cfg.clip_radius, cfg.clip_iters)
+    else:
+        d = _weighted_mean(deltas, weights, total)
+    return Aggregate(delta=d, tokens=tokens, weights=weights, rejected=rejected)
+
+
+def nesterov_step(state: OuterState, d: torch.Tensor, eta_r: float, mu: float) -> None:
+    """Elastic Nesterov, in place: `m <- mu m + D`, `theta_g <- theta_g - eta_r (D + mu m)`."""
+    state.m.mul_(mu).add_(d)
+    state.theta_g.sub_(d + mu * state.m, alpha=eta_r)
+
+
+def outer_step(
+    state: OuterState, contribs: Sequence[Contribution], cfg: DilocoConfig
+) -> StepReport:
+    """Average a round's contributions and apply one elastic Nesterov step to `state`.
+
+    A round where nothing usable arrived leaves the state untouched (round unchanged).
+    """
+    ref = float(torch.linalg.vector_norm(state.theta_g))
+    agg = aggregate(contribs, ref, cfg)
+    if agg.delta is None:
+        return StepReport(False, state.round, 0.0, 0, 0, agg.rejected)
+    eta_r = participation_lr(cfg.eta, agg.tokens, cfg.target_tokens, cfg.participation_power)
+    nesterov_step(state, agg.delta, eta_r, cfg.mu)
+    state.round += 1
+    accepted = sum(1 for w in agg.weights if w > 0.0)
+    return StepReport(True, state.round, eta_r, agg.tokens, accepted, agg.rejected)
+
+
+def merge_local_progress(
+    working: Sequence[torch.Tensor], snapshot: torch.Tensor, new_theta_g: torch.Tensor
+) -> None:
+    """Overlap merge, in place: every working tensor becomes `new_theta_g + (working - snapshot)`.
+
+    `working` are the live parameters (any dtype), `snapshot` and `new_theta_g` flat fp32
+    vectors in the same order: the inner steps taken while the round ran are kept.
+    """
+    offset = 0
+    for p in working:
+        n = p.numel()
+        if offset + n > snapshot.numel() or snapshot.numel() != new_theta_g.numel():
+            raise ValueError(
+                f"parameters need {offset + n}+ elements, snapshot has {snapshot.numel()}, "
+                f"theta_g {new_theta_g.numel()}"
+            )
+        local = p.detach().flatten().to(torch.float32) - snapshot[offset : offset + n]
+        with torch.no_grad():
+            p.copy_((new_theta_g[offset : offset + n] + local).view_as(p))
+        offset += n
+    if offset != snapshot.numel():
+        raise ValueError(f"parameters hold {offset} elements, snapshot has {snapshot.numel()}")

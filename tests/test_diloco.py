@@ -1,0 +1,144 @@
+"""The outer optimizer (node.diloco) against hand-computed references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from node.diloco import (
+    Contribution,
+    DilocoConfig,
+    OuterState,
+    aggregate,
+    centered_clip,
+    merge_local_progress,
+    outer_step,
+    participation_lr,
+    pseudo_gradient,
+    staleness_weight,
+)
+
+
+def t(*xs: float) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.float32)
+
+
+def test_pseudo_gradient_is_theta_g_minus_theta() -> None:
+    assert torch.equal(pseudo_gradient(t(1.0, 2.0), t(0.5, 3.0)), t(0.5, -1.0))
+    with pytest.raises(ValueError, match="elements"):
+        pseudo_gradient(t(1.0), t(1.0, 2.0))
+
+
+def test_token_weighted_nesterov_step_matches_hand_computation() -> None:
+    cfg = DilocoConfig(eta=0.5, mu=0.9, max_rel_norm=10.0)
+    state = OuterState(theta_g=t(1.0, 1.0), m=t(0.1, -0.2), round=3)
+    # w = 3 and 1 tokens: D = (3*[1,0] + 1*[0,2]) / 4 = [0.75, 0.5]
+    rep = outer_step(state, [Contribution(t(1.0, 0.0), 3), Contribution(t(0.0, 2.0), 1)], cfg)
+    # m = 0.9*[0.1,-0.2] + D = [0.84, 0.32]; theta_g = 1 - 0.5*(D + 0.9 m)
+    m = [0.9 * 0.1 + 0.75, 0.9 * -0.2 + 0.5]
+    g = [1 - 0.5 * (0.75 + 0.9 * m[0]), 1 - 0.5 * (0.5 + 0.9 * m[1])]
+    assert rep.applied and rep.round == 4 and rep.tokens == 4 and rep.accepted == 2
+    assert state.round == 4
+    assert torch.allclose(state.m, t(*m), atol=1e-6)
+    assert torch.allclose(state.theta_g, t(*g), atol=1e-6)
+
+
+def test_participation_rule_scales_eta_by_sqrt_of_gathered_fraction() -> None:
+    assert participation_lr(0.7, 100, 0, 0.5) == 0.7  # scaling off
+    assert participation_lr(0.7, 400, 100, 0.5) == 0.7  # never above eta
+    assert math.isclose(participation_lr(0.7, 25, 100, 0.5), 0.7 * 0.5)
+    assert math.isclose(participation_lr(0.8, 25, 100, 1.0), 0.2)
+    with pytest.raises(ValueError, match="tokens"):
+        participation_lr(0.7, -1, 100, 0.5)
+
+
+def test_missing_peers_shrink_the_step() -> None:
+    cfg = DilocoConfig(eta=0.8, mu=0.0, target_tokens=400, max_rel_norm=10.0)
+    full = OuterState(theta_g=t(10.0), m=t(0.0))
+    outer_step(full, [Contribution(t(1.0), 100) for _ in range(4)], cfg)
+    alone = OuterState(theta_g=t(10.0), m=t(0.0))
+    rep = outer_step(alone, [Contribution(t(1.0), 100)], cfg)  # the other three missed it
+    assert math.isclose(float(full.theta_g), 9.2, rel_tol=1e-6)
+    assert math.isclose(rep.eta_r, 0.8 * 0.5) and math.isclose(
+        float(alone.theta_g), 9.6, rel_tol=1e-6
+    )
+
+
+def test_staleness_discounts_then_drops() -> None:
+    assert staleness_weight(0, 0.5, 2) == 1.0
+    assert staleness_weight(2, 0.5, 2) == 0.25
+    assert staleness_weight(3, 0.5, 2) == 0.0
+    cfg = DilocoConfig(staleness_decay=0.5, max_staleness=1, max_rel_norm=10.0)
+    agg = aggregate(
+        [Contribution(t(1.0), 2), Contribution(t(4.0), 2, staleness=1), Contribution(t(9.0), 2, 2)],
+        1.0,
+        cfg,
+    )
+    # weights 2, 1, dropped: D = (2*1 + 1*4) / 3 = 2
+    assert agg.weights == [2.0, 1.0, 0.0] and 2 in agg.rejected and "staleness" in agg.rejected[2]
+    assert agg.delta is not None and math.isclose(float(agg.delta), 2.0, rel_tol=1e-6)
+    assert agg.tokens == 4
+
+
+def test_nan_and_huge_contributions_are_rejected() -> None:
+    cfg = DilocoConfig(max_rel_norm=1.0, max_median_ratio=5.0)
+    good = [
+        Contribution(t(0.1, 0.0), 1),
+        Contribution(t(0.0, 0.1), 1),
+        Contribution(t(0.1, 0.1), 1),
+    ]
+    bad = [
+        Contribution(t(float("nan"), 0.0), 1),
+        Contribution(t(0.0, float("inf")), 1),
+        Contribution(t(1e6, 0.0), 1),  # above max_rel_norm * ||theta_g||
+        Contribution(t(0.9, 0.0), 1),  # under the absolute cap, but 9x the median
+    ]
+    agg = aggregate(good + bad, 1.0, cfg)
+    assert set(agg.rejected) == {3, 4, 5, 6}
+    assert "non-finite" in agg.rejected[3] and "median" in agg.rejected[6]
+    assert agg.delta is not None and torch.allclose(agg.delta, t(0.2 / 3, 0.2 / 3))
+    state = OuterState(theta_g=t(1.0, 0.0), m=t(0.0, 0.0))
+    before = state.theta_g.clone()
+    rep = outer_step(state, bad[:3], cfg)
+    assert not rep.applied and rep.round == 0 and torch.equal(state.theta_g, before)
+
+
+def test_centered_clipping_bounds_an_outliers_pull() -> None:
+    xs = [t(0.0, 0.0), t(0.0, 0.0), t(100.0, 0.0)]
+    mean = centered_clip(xs, [1.0, 1.0, 1.0], tau=1e9, iters=1)
+    assert torch.allclose(mean, t(100.0 / 3, 0.0))  # a huge radius is the plain mean
+    v = centered_clip(xs, [1.0, 1.0, 1.0], tau=0.1, iters=50)
+    assert float(v[0]) < 1.0  # the mean would be 33.3
+    cfg = DilocoConfig(clip_radius=0.1, clip_iters=50, max_rel_norm=1e3, max_median_ratio=1e9)
+    agg = aggregate([Contribution(x, 1) for x in xs], 1.0, cfg)
+    assert agg.delta is not None and float(agg.delta[0]) < 1.0
+
+
+def test_same_inputs_give_bitwise_identical_states() -> None:
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(1000, generator=gen)
+    deltas = [torch.randn(1000, generator=gen) * 1e-3 for _ in range(3)]
+    a, b = OuterState.fresh(theta), OuterState.fresh(theta)
+    cfg = DilocoConfig(target_tokens=900)
+    for s in (a, b):
+        outer_step(s, [Contribution(d.clone(), 100 * (i + 1)) for i, d in enumerate(deltas)], cfg)
+    assert torch.equal(a.theta_g, b.theta_g) and torch.equal(a.m, b.m)
+
+
+def test_merge_keeps_local_progress_since_the_snapshot() -> None:
+    w1, w2 = torch.nn.Parameter(t(1.0, 2.0)), torch.nn.Parameter(t(3.0))
+    snapshot = t(0.5, 1.5, 2.5)  # working copy when the round began
+    new_g = t(10.0, 20.0, 30.0)
+    merge_local_progress([w1, w2], snapshot, new_g)
+    assert torch.allclose(w1.data, t(10.5, 20.5)) and torch.allclose(w2.data, t(30.5))
+    with pytest.raises(ValueError, match="elements"):
+        merge_local_progress([w1], snapshot, new_g)
+
+
+def test_config_validation_names_the_value() -> None:
+    with pytest.raises(ValueError, match="mu"):
+        DilocoConfig(mu=1.0)
+    with pytest.raises(ValueError, match="eta"):
+        DilocoConfig(eta=0.0)
