@@ -1,0 +1,6 @@
+"""The node's data-plane transport: py-libp2p (Noise, Yamux) under trio, with per-peer limits.
+
+`Transport` is the small interface the pipeline uses (so tests can inject faults);
+`Libp2pTransport` in `node.p2p.host` is the real implementation. This package must never
+import hivemind (DESIGN.md section 2).
+"""

@@ -1,0 +1,21 @@
+"""Prometheus counters of the data-plane transport (no peer-id labels, bounded label sets)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+REFUSED = Counter(
+    "agora_p2p_refused_total",
+    "Inbound requests refused before being served, by reason",
+    ["reason"],  # banned | not_member | streams | rate | bytes
+)
+BANS = Counter("agora_p2p_bans_total", "Peers banned for sending bad input")
+BAD_FRAMES = Counter(
+    "agora_p2p_bad_frames_total",
+    "Inbound frames rejected as malformed, oversized or invalid, by kind",
+    ["kind"],  # oversized | malformed | invalid
+)
+CUT_STREAMS = Counter(
+    "agora_p2p_cut_streams_total", "Inbound streams that ended or reset mid-request"
+)
+SERVED = Counter("agora_p2p_served_total", "Inbound requests answered")

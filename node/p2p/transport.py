@@ -1,0 +1,126 @@
+"""The data-plane transport interface, its errors, and its configuration.
+
+The pipeline talks to peers only through `Transport`, so tests can put a fault-injecting
+wrapper (drop, delay or corrupt by peer and step) in front of the real
+`node.p2p.host.Libp2pTransport`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from node.p2p.limits import LimitsConfig
+from protocol.codec import DEFAULT_MAX_FRAME
+from protocol.message import Message
+
+Handler = Callable[[str, Message], Awaitable[Message]]
+"""Serves one request: `(remote_peer_id, request) -> reply`. Raise `ProtocolError` for
+input that is malformed or invalid (the peer gets banned), anything else for a fault of
+our own (the peer gets a `Refused(reason="internal")`)."""
+
+
+class TransportError(Exception):
+    """A request failed: the peer is unreachable, reset the stream or broke the protocol."""
+
+    def __init__(self, message: str, *, peer_id: str) -> None:
+        super().__init__(message)
+        self.peer_id = peer_id
+
+
+class RequestTimeout(TransportError):
+    """No reply arrived within the request's deadline."""
+
+    def __init__(self, *, peer_id: str, protocol_id: str, timeout: float) -> None:
+        super().__init__(
+            f"request {protocol_id} to peer {peer_id} timed out after {timeout:g} s",
+            peer_id=peer_id,
+        )
+        self.protocol_id = protocol_id
+        self.timeout = timeout
+
+
+class RequestRefused(TransportError):
+    """The peer answered with `Refused` (not a member, rate-limited, banned, ...)."""
+
+    def __init__(self, *, peer_id: str, reason: str, retry_after: float, detail: str) -> None:
+        text = f"peer {peer_id} refused the request: {reason}"
+        if retry_after:
+            text += f" (retry after {retry_after:.3g} s)"
+        if detail:
+            text += f": {detail}"
+        super().__init__(text, peer_id=peer_id)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class Transport(Protocol):
+    """Request/reply messaging between peers, one protocol id per message family."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def listen_addrs(self) -> list[str]:
+        """Multiaddrs this node can be reached at, each ending in /p2p/<peer id>."""
+        ...
+
+    def add_peer_addrs(self, peer_id: str, addrs: Sequence[str]) -> None: ...
+
+    def set_handler(self, protocol_id: str, handler: Handler) -> None: ...
+
+    async def request(
+        self,
+        peer_id: str,
+        addrs: Sequence[str],
+        protocol_id: str,
+        msg: Message,
+        *,
+        timeout: float,
+    ) -> Message:
+        """Send `msg` and return the reply; raise `TransportError` (or a subclass)."""
+        ...
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class P2PConfig:
+    """Data-plane transport settings (TOML table `[p2p]`)."""
+
+    listen: list[str] = dataclasses.field(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"]
+    )  # multiaddrs; empty = outbound only
+    max_frame: int = DEFAULT_MAX_FRAME  # bytes, largest accepted frame payload
+    read_timeout_s: float = 60.0  # seconds a peer may take to send one whole request
+    handler_timeout_s: float = 300.0  # seconds a local handler may take to answer
+    reply_timeout_s: float = 60.0  # seconds to write a reply to a slow reader
+    limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
+
+    def __post_init__(self) -> None:
+        if not 16 <= self.max_frame <= 2**32 - 1:
+            raise ValueError(f"max_frame must be in [16, 2**32 - 1] bytes, got {self.max_frame}")
+        for name in ("read_timeout_s", "handler_timeout_s", "reply_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.limits.max_bytes_in_flight_per_peer < self.max_frame:
+            raise ValueError(
+                "limits.max_bytes_in_flight_per_peer must be at least max_frame, "
+                "or no full-size request could ever be admitted"
+            )
+
+    @classmethod
+    def from_dict(cls, table: dict[str, Any]) -> P2PConfig:
+        table = dict(table)
+        limits = LimitsConfig(**table.pop("limits", {}))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(table) - known
+        if unknown:
+            raise ValueError(f"unknown [p2p] keys: {', '.join(sorted(unknown))}")
+        return cls(limits=limits, **table)
+
+    @classmethod
+    def from_toml(cls, path: Path) -> P2PConfig:
+        with path.open("rb") as f:
+            return cls.from_dict(tomllib.load(f).get("p2p", {}))
