@@ -31,8 +31,8 @@ class LimitsConfig:
 
     max_streams_per_peer: int = 64  # concurrent inbound requests per peer
     max_bytes_in_flight_per_peer: int = 256 * 1024 * 1024  # bytes of request payload held
-    rate_per_s: float = 200.0  # sustained requests per second per peer (token refill)
-    burst: float = 400.0  # token bucket capacity (requests)
+    rate_per_s: float = 1000.0  # sustained requests per second per peer (token refill)
+    burst: float = 2000.0  # token bucket capacity (requests)
     ban_base_s: float = 10.0  # first ban duration (seconds); doubles per strike
     ban_max_s: float = 3600.0  # longest ban (seconds)
     strike_forget_s: float = 3600.0  # a clean peer's strike count resets after this (seconds)
@@ -157,9 +157,11 @@ class _PeerState:
 class PeerLimits:
     """Admission decisions for inbound requests, per remote peer id.
 
-    Use: `refusal = admit(peer, now)`; if None, the caller holds a stream slot and must
-    call `release(peer)`. After reading a frame header, `reserve_bytes(peer, n)` (and
-    `release_bytes(peer, n)` when done). `strike(peer, now)` bans a misbehaving peer.
+    Use: `refusal = admit_stream(peer, now)` when a stream opens; if None, the caller
+    holds a stream slot (and spent a rate token for its first request) and must call
+    `release_stream(peer, now)`. Each further request on that stream calls
+    `admit_request(peer, now)`. After reading a frame header, `reserve_bytes(peer, n)`
+    (and `release_bytes(peer, n)` when done). `strike(peer, now)` bans a peer.
     """
 
     __slots__ = ("_allow", "_peers", "bans", "cfg")
@@ -176,24 +178,32 @@ class PeerLimits:
     def is_member(self, peer_id: str) -> bool:
         return bool(self._allow(peer_id))
 
-    def admit(self, peer_id: str, now: float) -> Refusal | None:
-        """Take a stream slot and a rate token for one request, or say why not."""
-        refusal = self._check(peer_id, now)
+    def admit_stream(self, peer_id: str, now: float) -> Refusal | None:
+        """Take a stream slot and a rate token for its first request, or say why not."""
+        refusal = self._check(peer_id, now, new_stream=True)
         if refusal is not None:
             metrics.REFUSED.labels(reason=refusal.value).inc()
         return refusal
 
-    def _check(self, peer_id: str, now: float) -> Refusal | None:
+    def admit_request(self, peer_id: str, now: float) -> Refusal | None:
+        """Take a rate token for a further request on an admitted stream."""
+        refusal = self._check(peer_id, now, new_stream=False)
+        if refusal is not None:
+            metrics.REFUSED.labels(reason=refusal.value).inc()
+        return refusal
+
+    def _check(self, peer_id: str, now: float, *, new_stream: bool) -> Refusal | None:
         if self.bans.banned_for(peer_id, now) > 0:
             return Refusal.BANNED
         if not self._allow(peer_id):
             return Refusal.NOT_MEMBER
         state = self._state(peer_id, now)
-        if state.streams >= self.cfg.max_streams_per_peer:
+        if new_stream and state.streams >= self.cfg.max_streams_per_peer:
             return Refusal.STREAMS
         if not state.bucket.take(now):
             return Refusal.RATE
-        state.streams += 1
+        if new_stream:
+            state.streams += 1
         return None
 
     def retry_after(self, peer_id: str, now: float) -> float:
@@ -204,8 +214,8 @@ class PeerLimits:
         state = self._peers.get(peer_id)
         return 0.0 if state is None else state.bucket.wait_time(now)
 
-    def release(self, peer_id: str, now: float) -> None:
-        """Give back the stream slot taken by a successful `admit`."""
+    def release_stream(self, peer_id: str, now: float) -> None:
+        """Give back the stream slot taken by a successful `admit_stream`."""
         state = self._peers.get(peer_id)
         if state is None:
             return
@@ -215,7 +225,7 @@ class PeerLimits:
     def reserve_bytes(self, peer_id: str, n: int) -> bool:
         """Hold `n` payload bytes for this peer; False (and a counter) if over the cap."""
         state = self._peers.get(peer_id)
-        if state is None:  # admit() was not called; refuse rather than track blindly
+        if state is None:  # admit_stream() was not called; refuse rather than track blindly
             metrics.REFUSED.labels(reason=Refusal.BYTES.value).inc()
             return False
         if state.bytes_in_flight + n > self.cfg.max_bytes_in_flight_per_peer:

@@ -96,8 +96,9 @@ async def serve(args: argparse.Namespace) -> None:
             async with trio.open_nursery() as nursery:
 
                 async def until_stdin_closes() -> None:
-                    while await trio.to_thread.run_sync(os.read, 0, 1024, cancellable=True):
-                        pass
+                    async with trio.lowlevel.FdStream(os.dup(0)) as stdin:
+                        while await stdin.receive_some(1024):
+                            pass
                     nursery.cancel_scope.cancel()
 
                 async def until_signal() -> None:

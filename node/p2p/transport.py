@@ -96,14 +96,30 @@ class P2PConfig:
     read_timeout_s: float = 60.0  # seconds a peer may take to send one whole request
     handler_timeout_s: float = 300.0  # seconds a local handler may take to answer
     reply_timeout_s: float = 60.0  # seconds to write a reply to a slow reader
+    stream_idle_timeout_s: float = 120.0  # seconds a served stream may wait for its next request
+    pool_idle_s: float = 30.0  # seconds an idle outbound stream is kept for reuse
+    pool_max_idle_per_peer: int = 8  # idle outbound streams kept per (peer, protocol)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         if not 16 <= self.max_frame <= 2**32 - 1:
             raise ValueError(f"max_frame must be in [16, 2**32 - 1] bytes, got {self.max_frame}")
-        for name in ("read_timeout_s", "handler_timeout_s", "reply_timeout_s"):
+        for name in (
+            "read_timeout_s",
+            "handler_timeout_s",
+            "reply_timeout_s",
+            "stream_idle_timeout_s",
+            "pool_idle_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.pool_idle_s >= self.stream_idle_timeout_s:
+            raise ValueError(
+                "pool_idle_s must be below stream_idle_timeout_s, or a pooled stream could "
+                "be reused just as the serving side closes it"
+            )
+        if not 0 <= self.pool_max_idle_per_peer < self.limits.max_streams_per_peer:
+            raise ValueError("pool_max_idle_per_peer must be in [0, limits.max_streams_per_peer)")
         if self.limits.max_bytes_in_flight_per_peer < self.max_frame:
             raise ValueError(
                 "limits.max_bytes_in_flight_per_peer must be at least max_frame, "
