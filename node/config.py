@@ -1,0 +1,111 @@
+"""`agora-node` configuration: one dataclass, loaded from TOML and overridden by flags.
+
+The TOML file may hold a `[node]` table (or the fields at top level). Environment
+variables are not read here; `node.main` is the one place that reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import re
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeConfig:
+    coordinator: str  # HOST:PORT of agora-coordinator
+    stage: int | None = None  # None = let the coordinator place this node
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    identity: Path = Path("~/.config/agora/node.key")  # ed25519 seed file, created on first run
+    listen: str = "/ip4/127.0.0.1/tcp/0"  # libp2p listen multiaddr (port 0 = OS-chosen)
+    metrics_port: int | None = None  # Prometheus endpoint port (0 = OS-chosen, None = off)
+    deadline: float | None = None  # unix seconds by which the node must have left
+    join_token: str = ""  # for runs with auth mode "token"
+    micro_batch: int = 8  # sequences per micro-batch
+    seq_len: int = 128  # tokens per sequence
+    in_flight: int = 4  # micro-batches stage 0 keeps in the pipeline at once
+    inner_batch_tokens: int = 4096  # tokens per inner optimizer step (per replica)
+    lr: float = 3e-3  # inner AdamW peak learning rate
+    warmup_steps: int = 20  # inner steps of linear learning-rate warm-up
+    weight_decay: float = 0.1  # AdamW weight decay on matrices
+    request_timeout_s: float = 30.0  # seconds a downstream stage has for one micro-batch
+    max_attempts: int = 4  # routes tried for one micro-batch before its lease is released
+    activation_cache: int = 16  # micro-batches whose activations are kept for backward
+    drain_timeout_s: float = 30.0  # seconds to finish in-flight work on shutdown
+    max_tokens: int | None = None  # stop after committing this many tokens (None = run on)
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"coordinator must be HOST:PORT, got {self.coordinator!r}")
+        if self.stage is not None and self.stage < 0:
+            raise ValueError(f"stage must be >= 0, got {self.stage}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("micro_batch", "seq_len", "in_flight", "inner_batch_tokens", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.activation_cache < self.in_flight:
+            raise ValueError(
+                f"activation_cache ({self.activation_cache}) must hold at least in_flight"
+                f" ({self.in_flight}) micro-batches"
+            )
+        if self.request_timeout_s <= 0 or self.drain_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.deadline is not None and self.deadline <= time.time():
+            raise ValueError(f"deadline {self.deadline} is already in the past")
+        self.identity = Path(self.identity).expanduser()
+
+    @property
+    def coordinator_addr(self) -> tuple[str, int]:
+        host, _, port = self.coordinator.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @classmethod
+    def load(cls, path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
+        """Fields from the TOML file at `path`, then non-None `overrides` on top."""
+        table: dict[str, Any] = {}
+        if path is not None:
+            with open(path, "rb") as fh:
+                raw = tomllib.load(fh)
+            table = dict(raw.get("node", raw))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(table) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown node settings {sorted(unknown)}")
+        table.update({k: v for k, v in overrides.items() if v is not None})
+        if "deadline" in table and table["deadline"] is not None:
+            table["deadline"] = parse_deadline(table["deadline"])
+        if "coordinator" not in table:
+            raise ValueError("no coordinator given: pass --coordinator HOST:PORT")
+        return cls(**table)
+
+
+def parse_deadline(value: Any, now: float | None = None) -> float:
+    """Unix seconds, an ISO 8601 time, or `+DURATION` such as `+90s`, `+45m`, `+2h`."""
+    now = time.time() if now is None else now
+    if isinstance(value, int | float):
+        return float(value)
+    text = str(value).strip()
+    m = re.fullmatch(r"\+(\d+(?:\.\d+)?)([smh]?)", text)
+    if m:
+        scale = {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+        return now + float(m.group(1)) * scale
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(
+            f"deadline {text!r} is not unix seconds, an ISO time or +DURATION (e.g. +2h)"
+        ) from None
+    if when.tzinfo is None:
+        when = when.astimezone()
+    return when.timestamp()

@@ -1,0 +1,191 @@
+"""The torch side of one pipeline stage. Every method runs on the torch worker thread.
+
+`StageCompute` owns the stage module, its boundary codecs, the inner AdamW optimizer and
+a bounded activation cache. The trio side calls:
+
+- `forward(mb_id, tokens, hidden)`: stage 0 (hidden=None) and middle stages return the
+  encoded boundary output and keep the activations for backward; the last stage runs
+  the loss and its backward at once and returns `(encoded input gradient, loss)`.
+- `backward(mb_id, tokens, hidden, grad)`: finish a micro-batch with the gradient from
+  the next stage. A cache miss (evicted, or a retry served by another replica)
+  recomputes the forward from the encoded input the caller still holds: the stateless
+  fallback of DESIGN.md section 5.
+- `drop(mb_id)`: forget a micro-batch whose route failed.
+
+Gradients of finished micro-batches accumulate until `inner_batch_tokens` tokens have
+been processed; then one AdamW step runs and the subspace projection is re-applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from node.compression import BoundaryCodec
+from node.model import ModelConfig, build_stage, param_groups
+from node.subspace import project_
+from protocol.tensors import EncodedTensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class InnerConfig:
+    lr: float  # peak AdamW learning rate
+    warmup_steps: int  # inner steps of linear warm-up
+    weight_decay: float  # AdamW decay on matrices
+    inner_batch_tokens: int  # tokens per optimizer step
+    cache_size: int  # micro-batches kept for backward
+    grad_clip: float = 1.0  # max global grad norm
+
+
+class StageCompute:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        stage: int,
+        n_stages: int,
+        codec: str,
+        inner: InnerConfig,
+        device: str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.model = build_stage(model_cfg, stage, n_stages).to(self.device)
+        self.is_first, self.is_last = self.model.is_first, self.model.is_last
+        sub = self.model.subspace
+        d = model_cfg.d_model
+        self.codec_in = None if self.is_first else BoundaryCodec(codec, d, sub)
+        self.codec_out = None if self.is_last else BoundaryCodec(codec, d, sub)
+        self.inner = inner
+        self.opt = torch.optim.AdamW(
+            param_groups(self.model, inner.weight_decay), lr=inner.lr, betas=(0.9, 0.95)
+        )
+        self._cache: OrderedDict[str, tuple[torch.Tensor | None, torch.Tensor]] = OrderedDict()
+        self._pending_tokens = 0  # tokens whose gradients are accumulated, not yet stepped
+        self._pending_mbs = 0
+        self.inner_steps = 0
+        self.tokens_trained = 0  # tokens this replica has finished backward for
+        self.recomputes = 0  # cache misses served by recomputation
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _tokens(self, tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
+        return t[:, :-1], t[:, 1:]
+
+    def _input(self, inputs: torch.Tensor, hidden: EncodedTensor | None) -> torch.Tensor:
+        if self.is_first:
+            return inputs
+        assert self.codec_in is not None and hidden is not None
+        return self.codec_in.decode_forward(hidden, inputs).to(self.device).requires_grad_(True)
+
+    def _grad_in(self, x: torch.Tensor, inputs: torch.Tensor) -> EncodedTensor | None:
+        if self.is_first:
+            return None
+        assert self.codec_in is not None and x.grad is not None
+        return self.codec_in.encode_backward(x.grad, inputs)
+
+    def _finished(self, n_tokens: int) -> None:
+        self._pending_tokens += n_tokens
+        self._pending_mbs += 1
+        self.tokens_trained += n_tokens
+        if self._pending_tokens >= self.inner.inner_batch_tokens:
+            self.step()
+
+    # --- the pipeline calls ----------------------------------------------------------------
+
+    def forward(
+        self, mb_id: str, tokens: np.ndarray, hidden: EncodedTensor | None
+    ) -> EncodedTensor | tuple[EncodedTensor | None, float]:
+        inputs, targets = self._tokens(tokens)
+        self.model.train()
+        x = self._input(inputs, hidden)
+        if self.is_last:
+            loss = self.model(x, targets)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss {loss.item()} on {mb_id}")
+            loss.backward()
+            grad = self._grad_in(x, inputs)
+            self._finished(inputs.numel())
+            return grad, float(loss.item())
+        out = self.model(x)
+        self._cache[mb_id] = (x if not self.is_first else None, out)
+        while len(self._cache) > self.inner.cache_size:
+            self._cache.popitem(last=False)
+        assert self.codec_out is not None
+        return self.codec_out.encode_forward(out, inputs)
+
+    def backward(
+        self,
+        mb_id: str,
+        tokens: np.ndarray,
+        hidden: EncodedTensor | None,
+        grad: EncodedTensor,
+    ) -> EncodedTensor | None:
+        inputs, _ = self._tokens(tokens)
+        assert self.codec_out is not None
+        g = self.codec_out.decode_backward(grad, inputs).to(self.device)
+        cached = self._cache.pop(mb_id, None)
+        if cached is None:
+            self.recomputes += 1
+            x = self._input(inputs, hidden)
+            out = self.model(x)
+        else:
+            x_cached, out = cached
+            x = inputs if x_cached is None else x_cached
+        out.backward(g)
+        self._finished(inputs.numel())
+        return self._grad_in(x, inputs)
+
+    def drop(self, mb_id: str) -> None:
+        self._cache.pop(mb_id, None)
+
+    def step(self) -> None:
+        """One inner AdamW step over the accumulated micro-batches."""
+        if self._pending_mbs == 0:
+            return
+        scale = 1.0 / self._pending_mbs
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
+        warm = min(1.0, (self.inner_steps + 1) / max(1, self.inner.warmup_steps))
+        for group in self.opt.param_groups:
+            group["lr"] = self.inner.lr * warm
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        project_(self.model)
+        self.inner_steps += 1
+        self._pending_tokens = 0
+        self._pending_mbs = 0
+
+    # --- reporting ---------------------------------------------------------------------------
+
+    def bytes_counts(self) -> dict[str, int]:
+        """Raw (fp32) and wire bytes this stage sent, per direction."""
+        out = {"raw_fwd": 0, "wire_fwd": 0, "raw_bwd": 0, "wire_bwd": 0}
+        if self.codec_out is not None:
+            out["raw_fwd"] += self.codec_out.stats.raw_fwd
+            out["wire_fwd"] += self.codec_out.stats.wire_fwd
+        if self.codec_in is not None:
+            out["raw_bwd"] += self.codec_in.stats.raw_bwd
+            out["wire_bwd"] += self.codec_in.stats.wire_bwd
+        return out
+
+
+def throughput_probe(compute: StageCompute, micro_batch: int, seq_len: int) -> float:
+    """This stage's forward+backward tokens/s on one synthetic micro-batch (for the join)."""
+    tokens = np.random.default_rng(0).integers(0, 256, size=(micro_batch, seq_len + 1))
+    inputs, targets = compute._tokens(tokens)
+    d = compute.model.config.d_model
+    t0 = time.perf_counter()
+    x = inputs if compute.is_first else torch.zeros(micro_batch, seq_len, d, requires_grad=True)
+    out = compute.model(x, targets) if compute.is_last else compute.model(x).pow(2).mean()
+    out.backward()
+    compute.opt.zero_grad(set_to_none=True)
+    return micro_batch * seq_len / max(time.perf_counter() - t0, 1e-6)
