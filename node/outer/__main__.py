@@ -1,0 +1,49 @@
+"""`python -m node.outer --fd N`: the outer-loop process (started by `OuterLink`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m node.outer",
+        description="Outer-loop process of an Agora node: runs hivemind's DHT and averager for "
+        "one stage and serves the stage process over an inherited Unix socket. "
+        "Started by node.outer_link.OuterLink; not meant to be run by hand.",
+    )
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket file descriptor")
+    parser.add_argument("--log-level", default=os.environ.get("AGORA_OUTER_LOG", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s outer[%(process)d] %(name)s: %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stage process decides when we stop
+
+    import torch
+
+    torch.set_num_threads(1)
+    from node.outer.process import OuterProcess
+
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return OuterProcess(sock).serve()
+    except Exception as exc:
+        logging.getLogger("node.outer").exception("outer process failed")
+        try:
+            from protocol.codec import packb
+            from protocol.framing import frame
+
+            sock.sendall(frame(packb({"op": "fatal", "error": f"{type(exc).__name__}: {exc}"})))
+        except OSError:
+            pass
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

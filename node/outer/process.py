@@ -1,0 +1,257 @@
+"""The outer-loop process: owns a stage replica's global state (theta_g, m, round), its
+hivemind DHT and `StageAverager`, and serves `node.outer_link.OuterLink` over a socket.
+
+Commands arrive one at a time as msgpack frames; tensors travel through the two shared
+/dev/shm buffers the link created. A round: compute `delta = theta_g - snapshot`; rebase
+first if the DHT shows a replica further ahead; all-gather with whoever forms a group
+before `matchmaking_s` (alone otherwise); apply elastic Nesterov when this replica holds
+the group's canonical state, or adopt the state of a canonical groupmate when it does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+from hivemind import DHT
+from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+
+from node.diloco import OuterState, nesterov_step, participation_lr
+from node.outer.averager import StageAverager
+from node.outer_link import MAX_CONTROL_FRAME, OuterConfig
+from protocol.codec import packb, unpackb
+from protocol.framing import FrameDecoder, frame
+
+log = logging.getLogger(__name__)
+
+WIRE = {"none": NoCompression, "fp16": Float16Compression, "uint8": Uniform8BitQuantization}
+
+
+def digest(state: OuterState) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(state.round.to_bytes(8, "little"))
+    h.update(state.theta_g.numpy().tobytes())
+    h.update(state.m.numpy().tobytes())
+    return h.hexdigest()
+
+
+class OuterProcess:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.decoder = FrameDecoder(max_frame=MAX_CONTROL_FRAME)
+        self.inbox: list[dict[str, Any]] = []
+        self.lock = threading.Lock()  # guards `state` against the state-sharing thread
+        self.state: OuterState | None = None
+        self.digest = ""
+
+    # ---- socket ----------------------------------------------------------------------
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sock.sendall(frame(packb(obj), max_frame=MAX_CONTROL_FRAME))
+
+    def recv(self) -> dict[str, Any] | None:
+        while not self.inbox:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                return None
+            for payload in self.decoder.feed(data):
+                msg = unpackb(payload, max_size=MAX_CONTROL_FRAME)
+                if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+                    raise ValueError(f"malformed command {msg!r:.200}")
+                self.inbox.append(msg)
+        return self.inbox.pop(0)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def serve(self) -> int:
+        init = self.recv()
+        if init is None or init["op"] != "init":
+            raise ValueError(f"expected an init command first, got {init!r:.200}")
+        self.cfg = OuterConfig.from_wire(init["config"])
+        numel = int(init["numel"])
+        self.snap = torch.from_file(init["snap"], shared=True, size=numel, dtype=torch.float32)
+        self.result = torch.from_file(init["result"], shared=True, size=numel, dtype=torch.float32)
+        self.prefix = f"agora-{init['run_id']}-stage{int(init['stage'])}"
+        self.dht = DHT(
+            initial_peers=list(init["initial_peers"]),
+            host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
+            start=True,
+            await_ready=True,
+        )
+        self.contribution = torch.zeros(numel, dtype=torch.float32)
+        self.averager = StageAverager(
+            self.contribution,
+            self.dht,
+            prefix=self.prefix,
+            wire_compression=WIRE[self.cfg.compression](),
+            diloco=self.cfg.diloco,
+            exchange_timeout=self.cfg.round_timeout_s,
+            state_provider=self.current_state,
+            target_group_size=self.cfg.target_group_size,
+            min_group_size=2,
+            min_matchmaking_time=self.cfg.matchmaking_s,
+            request_timeout=self.cfg.request_timeout_s,
+            allreduce_timeout=self.cfg.round_timeout_s + 5.0,
+            next_chunk_timeout=self.cfg.round_timeout_s,
+            allow_state_sharing=False,  # until this replica holds a state
+            declare_state_period=5.0,
+            shutdown_timeout=3.0,
+        )
+        self.averager.run_in_background(await_ready=True, timeout=self.cfg.startup_timeout_s)
+        addrs = [str(a) for a in self.dht.get_visible_maddrs()]
+        log.info("outer process for %s up: %s", self.prefix, addrs)
+        self.send({"op": "ready", "addrs": addrs, "peer_id": self.dht.peer_id.to_base58()})
+        try:
+            while (cmd := self.recv()) is not None:
+                op = cmd["op"]
+                if op == "stop":
+                    break
+                if op == "set_state":
+                    self.adopt(OuterState.fresh(self.snap))
+                    self.send({"op": "state_set", "round": 0, "digest": self.digest})
+                elif op == "fetch":
+                    ok = self.download(float(cmd["timeout"]), min_round=-1)
+                    rnd = self.state.round if self.state else -1
+                    self.send({"op": "state", "ok": ok, "round": rnd, "digest": self.digest})
+                elif op == "begin":
+                    self.send(self.run_round(int(cmd["tokens"])))
+                else:
+                    raise ValueError(f"unknown command {op!r}")
+        finally:
+            self.averager.shutdown()
+            self.dht.shutdown()
+        return 0
+
+    # ---- state -----------------------------------------------------------------------
+
+    def current_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """Served to joiners by hivemind's state sharing (host-process thread)."""
+        with self.lock:
+            if self.state is None:
+                return {"round": -1, "digest": ""}, []
+            st = self.state
+            return {"round": st.round, "digest": self.digest}, [st.theta_g.clone(), st.m.clone()]
+
+    def adopt(self, state: OuterState) -> None:
+        with self.lock:
+            self.state = state
+            self.digest = digest(state)
+        self.result.copy_(state.theta_g)
+        self.averager.allow_state_sharing = True
+        self.averager.state_sharing_priority = float(state.round)
+
+    def download(self, timeout: float, min_round: int) -> bool:
+        """Adopt the state of the most advanced replica that shares it (by DHT priority)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = self.averager.load_state_from_peers(timeout=max(0.5, deadline - time.monotonic()))
+            if got is not None:
+                meta, tensors = got
+                rnd = int(meta.get("round", -1)) if isinstance(meta, dict) else -1
+                if len(tensors) == 2 and rnd > min_round and tensors[0].shape == self.result.shape:
+                    theta_g, m = (t.detach().to(torch.float32).contiguous() for t in tensors)
+                    if bool(torch.isfinite(theta_g).all() and torch.isfinite(m).all()):
+                        self.adopt(OuterState(theta_g=theta_g.clone(), m=m.clone(), round=rnd))
+                        log.info("adopted state of round %d", rnd)
+                        return True
+            time.sleep(0.2)
+        return False
+
+    def best_known_round(self) -> int:
+        """Highest round any replica of this stage declares in the DHT (its sharing priority)."""
+        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return -1
+        rounds = [v.value for v in found.value.values() if isinstance(getattr(v, "value", None), float | int)]
+        return int(max(rounds)) if rounds else -1
+
+    # ---- a round ---------------------------------------------------------------------
+
+    def run_round(self, tokens: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        if self.state is None:
+            return {"op": "result", "error": "no state: call set_state or fetch_state first"}
+        base = self.state
+        delta = base.theta_g - self.snap
+        ref_norm = float(torch.linalg.vector_norm(base.theta_g))
+        rebased = False
+        if self.best_known_round() > base.round:  # we missed rounds: rebase first
+            rebased = self.download(self.cfg.state_timeout_s, min_round=base.round)
+        st = self.state
+        assert st is not None
+        with self.averager.get_tensors() as tensors:
+            tensors[0].copy_(delta)
+        gather = {
+            "round": st.round,
+            "digest": self.digest,
+            "base_round": base.round,
+            "tokens": tokens,
+            "ref_norm": ref_norm,
+        }
+        try:
+            info = self.averager.step(
+                gather=gather,
+                weight=1.0,
+                timeout=self.cfg.matchmaking_s * 2 + 1.0,
+                allow_retries=False,
+            )
+        except Exception as exc:  # no group formed in time: this replica steps alone
+            log.info("no group this round (%r); stepping alone", exc)
+            info = None
+        out = {"op": "result", "rebased": rebased, "bytes_out": 0, "bytes_in": 0, "rejected": {}}
+        out["raw_bytes"] = int(delta.numel() * 4)
+        if not isinstance(info, dict) or not info.get("has_delta"):
+            applied, rnd, eta_r, used, size = self.step_alone(delta, tokens, base.round, ref_norm)
+        else:
+            out.update(bytes_out=info["bytes_out"], bytes_in=info["bytes_in"], rejected=info["rejected"])
+            with self.averager.get_tensors() as tensors:
+                d = tensors[0].clone()
+            applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d)
+            out["rebased"] = rebased or adopted
+        out.update(applied=applied, round=rnd, eta_r=eta_r, tokens=used, group_size=size)
+        out["seconds"] = time.monotonic() - t0
+        out["digest"] = self.digest
+        return out
+
+    def step_alone(
+        self, delta: torch.Tensor, tokens: int, base_round: int, ref_norm: float
+    ) -> tuple[bool, int, float, int, int]:
+        from node.diloco import Contribution, outer_step
+
+        st = self.state
+        assert st is not None
+        new = OuterState(theta_g=st.theta_g.clone(), m=st.m.clone(), round=st.round)
+        contrib = Contribution(delta=delta, tokens=tokens, staleness=max(0, st.round - base_round))
+        rep = outer_step(new, [contrib], self.cfg.diloco)
+        if rep.applied:
+            self.adopt(new)
+        return rep.applied, new.round, rep.eta_r, rep.tokens, 1
+
+    def finish_group_round(
+        self, info: dict[str, Any], d: torch.Tensor
+    ) -> tuple[bool, int, float, int, int, bool]:
+        """Step when holding the group's canonical (round, digest); adopt it otherwise."""
+        gathered: dict[str, dict[str, Any]] = info["gathered"]
+        head = max(int(g["round"]) for g in gathered.values())
+        at_head = [g["digest"] for g in gathered.values() if int(g["round"]) == head]
+        canonical = min(set(at_head), key=lambda dg: (-at_head.count(dg), dg))
+        st = self.state
+        assert st is not None
+        tokens = int(info["tokens"])
+        size = len(info["contributors"])
+        eta_r = participation_lr(
+            self.cfg.diloco.eta, tokens, self.cfg.diloco.target_tokens, self.cfg.diloco.participation_power
+        )
+        if st.round == head and self.digest == canonical:
+            new = OuterState(theta_g=st.theta_g.clone(), m=st.m.clone(), round=st.round + 1)
+            nesterov_step(new, d, eta_r, self.cfg.diloco.mu)
+            self.adopt(new)
+            return True, new.round, eta_r, tokens, size, False
+        log.info("state (round %d) is not the group's canonical one (round %d); adopting it", st.round, head)
+        ok = self.download(self.cfg.state_timeout_s, min_round=head)
+        return ok, self.state.round if self.state else -1, eta_r, tokens, size, ok
