@@ -106,6 +106,7 @@ class Libp2pTransport:
         self._nursery: trio.Nursery | None = None
         # idle outbound streams for reuse, per (peer id, protocol id): (stream, idle since)
         self._idle: dict[tuple[str, str], list[tuple[Any, float]]] = {}
+        self._out_slots: dict[str, trio.Semaphore] = {}  # outbound concurrency per peer
 
     # --- identity and addresses ---------------------------------------------------------
 
@@ -343,24 +344,40 @@ class Libp2pTransport:
                 f"message of {len(payload)} bytes exceeds the frame limit of {self.cfg.max_frame}"
             )
         key = (peer_id, protocol_id)
+        slots = self._out_slots.get(peer_id)
+        if slots is None:
+            slots = self._out_slots[peer_id] = trio.Semaphore(
+                self.cfg.max_outbound_streams_per_peer
+            )
         try:
             with trio.fail_after(timeout):
-                stream = self._take_pooled(key)
-                if stream is None:
-                    stream = await self.open_stream(peer_id, addrs, protocol_id)
-                else:
-                    self.add_peer_addrs(peer_id, addrs)
-                try:
-                    await stream.write(HEADER.pack(len(payload)) + payload)
-                    del payload
-                    reply = await read_message(stream, max_frame=self.cfg.max_frame)
-                except BaseException:
-                    await _reset(stream)
-                    raise
+                async with slots:
+                    return await self._request_on_stream(key, addrs, protocol_id, payload)
         except trio.TooSlowError:
             raise RequestTimeout(
                 peer_id=peer_id, protocol_id=protocol_id, timeout=timeout
             ) from None
+        finally:
+            if slots.value == self.cfg.max_outbound_streams_per_peer:
+                self._out_slots.pop(peer_id, None)
+
+    async def _request_on_stream(
+        self, key: tuple[str, str], addrs: Sequence[str], protocol_id: str, payload: bytes
+    ) -> Message:
+        peer_id = key[0]
+        try:
+            stream = self._take_pooled(key)
+            if stream is None:
+                stream = await self.open_stream(peer_id, addrs, protocol_id)
+            else:
+                self.add_peer_addrs(peer_id, addrs)
+            try:
+                await stream.write(HEADER.pack(len(payload)) + payload)
+                del payload
+                reply = await read_message(stream, max_frame=self.cfg.max_frame)
+            except BaseException:
+                await _reset(stream)
+                raise
         except TransportError:
             raise
         except ProtocolError as exc:

@@ -67,7 +67,12 @@ def config_from_args(args: argparse.Namespace) -> P2PConfig:
         limits.rate_per_s = args.rate
     if args.burst is not None:
         limits.burst = args.burst
-    cfg = P2PConfig(listen=[args.listen] if args.listen else [], limits=limits)
+    cfg = P2PConfig(
+        listen=[args.listen] if args.listen else [],
+        limits=limits,
+        max_outbound_streams_per_peer=min(32, limits.max_streams_per_peer),
+        pool_max_idle_per_peer=min(8, limits.max_streams_per_peer),
+    )
     if args.max_frame is not None:
         cfg.max_frame = args.max_frame
         limits.max_bytes_in_flight_per_peer = max(

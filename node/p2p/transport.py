@@ -99,6 +99,7 @@ class P2PConfig:
     stream_idle_timeout_s: float = 120.0  # seconds a served stream may wait for its next request
     pool_idle_s: float = 30.0  # seconds an idle outbound stream is kept for reuse
     pool_max_idle_per_peer: int = 8  # idle outbound streams kept per (peer, protocol)
+    max_outbound_streams_per_peer: int = 32  # concurrent outbound requests per peer; more wait
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
@@ -118,8 +119,13 @@ class P2PConfig:
                 "pool_idle_s must be below stream_idle_timeout_s, or a pooled stream could "
                 "be reused just as the serving side closes it"
             )
-        if not 0 <= self.pool_max_idle_per_peer < self.limits.max_streams_per_peer:
-            raise ValueError("pool_max_idle_per_peer must be in [0, limits.max_streams_per_peer)")
+        if not 1 <= self.max_outbound_streams_per_peer <= self.limits.max_streams_per_peer:
+            raise ValueError(
+                "max_outbound_streams_per_peer must be in [1, limits.max_streams_per_peer] "
+                "(peers share one config, so more would be refused by the other side)"
+            )
+        if not 0 <= self.pool_max_idle_per_peer <= self.max_outbound_streams_per_peer:
+            raise ValueError("pool_max_idle_per_peer must be in [0, max_outbound_streams_per_peer]")
         if self.limits.max_bytes_in_flight_per_peer < self.max_frame:
             raise ValueError(
                 "limits.max_bytes_in_flight_per_peer must be at least max_frame, "
