@@ -77,8 +77,12 @@ class OuterConfig:
             raise ValueError(f"bad target_group_size {self.target_group_size} or port {self.port}")
 
     def to_wire(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "diloco"}
-        out["diloco"] = {f.name: getattr(self.diloco, f.name) for f in dataclasses.fields(self.diloco)}
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "diloco"
+        }
+        out["diloco"] = {
+            f.name: getattr(self.diloco, f.name) for f in dataclasses.fields(self.diloco)
+        }
         return out
 
     @classmethod
@@ -115,7 +119,12 @@ class OuterLink:
     """See the module docstring. Build with `OuterLink.start(...)`."""
 
     def __init__(
-        self, proc: subprocess.Popen[bytes], sock: socket.socket, snap: Path, result: Path, numel: int
+        self,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        snap: Path,
+        result: Path,
+        numel: int,
     ) -> None:
         self._proc = proc
         self._sock = sock
@@ -129,6 +138,7 @@ class OuterLink:
         self._ready: dict[str, Any] = {}
         self.stall_s = 0.0  # seconds callers spent blocked in link calls
         self.round = 0
+        self._state_timeout = OuterConfig().state_timeout_s  # s, replaced by start()
         self.digest = ""  # digest of the outer process's state after the last operation
 
     @classmethod
@@ -290,7 +300,9 @@ class OuterLink:
                 try:
                     self._proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
-                    log.warning("outer process %d did not stop in %.0fs; killing it", self.pid, timeout)
+                    log.warning(
+                        "outer process %d did not stop in %.0fs; killing it", self.pid, timeout
+                    )
                     self._proc.kill()
                     self._proc.wait(timeout=timeout)
         finally:
@@ -333,11 +345,15 @@ class OuterLink:
             return
         data = self._sock.recv(1 << 16)
         if not data:
-            raise OuterLinkError(f"outer process {self.pid} closed the link (exit code {self._proc.poll()})")
+            raise OuterLinkError(
+                f"outer process {self.pid} closed the link (exit code {self._proc.poll()})"
+            )
         for payload in self._decoder.feed(data):
             msg = unpackb(payload, max_size=MAX_CONTROL_FRAME)
             if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-                raise OuterLinkError(f"malformed control frame from the outer process: {msg!r:.200}")
+                raise OuterLinkError(
+                    f"malformed control frame from the outer process: {msg!r:.200}"
+                )
             self._inbox.append(msg)
 
     def _take(self, op: str) -> dict[str, Any] | None:

@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("AGORA_OUTER_LOG", "INFO"))
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level, stream=sys.stderr, format="%(asctime)s outer[%(process)d] %(name)s: %(message)s"
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s outer[%(process)d] %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stage process decides when we stop
 

@@ -55,7 +55,7 @@ class _Exchange:
             self.complete.set()
 
 
-class StageAverager(DecentralizedAverager):
+class StageAverager(DecentralizedAverager):  # type: ignore[misc]
     """Averager of one stage's flat pseudo-gradient (see the module docstring).
 
     `contribution` is the shared flat fp32 buffer: the host writes its delta there before
@@ -127,7 +127,7 @@ class StageAverager(DecentralizedAverager):
                 if len(group_info.peer_ids) > 1:
                     try:
                         await asyncio.wait_for(ex.complete.wait(), self._exchange_timeout)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         log.warning(
                             "exchange timed out after %.1fs with %d of %d contributions",
                             self._exchange_timeout,
@@ -181,7 +181,7 @@ class StageAverager(DecentralizedAverager):
 
         try:
             stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
-            stream = await stub.rpc_exchange_contribution(requests())  # type: ignore[attr-defined]
+            stream = await stub.rpc_exchange_contribution(requests())
             parts = []
             async for msg in aiter_with_timeout(stream, self._exchange_timeout):
                 if msg.code != averaging_pb2.AVERAGED_PART:
@@ -220,7 +220,7 @@ class StageAverager(DecentralizedAverager):
                     await asyncio.wait_for(
                         self._registration_event().wait(), deadline - time.monotonic()
                     )
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
                 ex = self._exchanges.get(first.group_id)
             if ex is None:

@@ -167,7 +167,11 @@ class OuterProcess:
         found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
         if found is None or not isinstance(found.value, dict):
             return -1
-        rounds = [v.value for v in found.value.values() if isinstance(getattr(v, "value", None), float | int)]
+        rounds = [
+            v.value
+            for v in found.value.values()
+            if isinstance(getattr(v, "value", None), float | int)
+        ]
         return int(max(rounds)) if rounds else -1
 
     # ---- a round ---------------------------------------------------------------------
@@ -208,7 +212,9 @@ class OuterProcess:
         if not isinstance(info, dict) or not info.get("has_delta"):
             applied, rnd, eta_r, used, size = self.step_alone(delta, tokens, base.round, ref_norm)
         else:
-            out.update(bytes_out=info["bytes_out"], bytes_in=info["bytes_in"], rejected=info["rejected"])
+            out.update(
+                bytes_out=info["bytes_out"], bytes_in=info["bytes_in"], rejected=info["rejected"]
+            )
             with self.averager.get_tensors() as tensors:
                 d = tensors[0].clone()
             applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d)
@@ -245,13 +251,20 @@ class OuterProcess:
         tokens = int(info["tokens"])
         size = len(info["contributors"])
         eta_r = participation_lr(
-            self.cfg.diloco.eta, tokens, self.cfg.diloco.target_tokens, self.cfg.diloco.participation_power
+            self.cfg.diloco.eta,
+            tokens,
+            self.cfg.diloco.target_tokens,
+            self.cfg.diloco.participation_power,
         )
         if st.round == head and self.digest == canonical:
             new = OuterState(theta_g=st.theta_g.clone(), m=st.m.clone(), round=st.round + 1)
             nesterov_step(new, d, eta_r, self.cfg.diloco.mu)
             self.adopt(new)
             return True, new.round, eta_r, tokens, size, False
-        log.info("state (round %d) is not the group's canonical one (round %d); adopting it", st.round, head)
+        log.info(
+            "state (round %d) is not the group's canonical one (round %d); adopting it",
+            st.round,
+            head,
+        )
         ok = self.download(self.cfg.state_timeout_s, min_round=head)
         return ok, self.state.round if self.state else -1, eta_r, tokens, size, ok

@@ -1,0 +1,129 @@
+"""Outer-loop processes of one stage on loopback: real hivemind in real subprocesses.
+
+The pytest process only imports `node.outer_link` (no hivemind): each replica is an
+`OuterLink` whose outer process runs the DHT and averager.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from node.diloco import DilocoConfig
+from node.outer_link import OuterConfig, OuterLink
+
+N = 4096  # parameters per replica: small, the tests are about the protocol
+CFG = OuterConfig(
+    matchmaking_s=2.0,
+    request_timeout_s=0.5,
+    round_timeout_s=4.0,
+    state_timeout_s=10.0,
+    diloco=DilocoConfig(eta=0.7, mu=0.9, target_tokens=400),
+)
+
+
+@pytest.fixture
+def links(child_env: dict[str, str]) -> Iterator[list[OuterLink]]:
+    made: list[OuterLink] = []
+    yield made
+    for link in made:
+        try:
+            os.killpg(link.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        link.close(timeout=10.0)
+
+
+def start(links: list[OuterLink], env: dict[str, str], run: str, peers: list[str]) -> OuterLink:
+    link = OuterLink.start(run_id=run, stage=0, numel=N, initial_peers=peers, config=CFG, env=env)
+    links.append(link)
+    return link
+
+
+def params(seed: int, scale: float) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(N // 2, generator=g) * scale, torch.randn(N // 2, generator=g) * scale]
+
+
+def test_group_round_gives_identical_state_and_a_joiner_downloads_it(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    a = start(links, child_env, run, [])
+    b = start(links, child_env, run, a.dht_addrs())
+    theta0 = params(0, 1.0)
+    a.set_initial_state(theta0)
+    assert b.fetch_state(timeout=15) == 0 and b.digest == a.digest
+    got = [torch.empty(N // 2), torch.empty(N // 2)]
+    b.load_into(got)
+    assert all(torch.equal(x, y) for x, y in zip(got, theta0, strict=True))
+
+    # each replica trained a little; B saw three times the tokens of A
+    wa = [p - 0.01 * q for p, q in zip(theta0, params(1, 1.0), strict=True)]
+    wb = [p - 0.01 * q for p, q in zip(theta0, params(2, 1.0), strict=True)]
+    a.begin_round(wa, 100)
+    b.begin_round(wb, 300)
+    ra, rb = a.wait_result(30), b.wait_result(30)
+    assert (ra.group_size, rb.group_size) == (2, 2), (ra, rb)
+    assert ra.round == rb.round == 1 and ra.applied and rb.applied
+    assert ra.digest == rb.digest  # theta_g and m bitwise identical
+    assert torch.equal(a.theta_g(), b.theta_g())
+    assert ra.bytes_out == ra.raw_bytes // 2  # fp16 on the wire
+
+    # reference: D = (100 (theta0 - wa) + 300 (theta0 - wb)) / 400, fp16 on the wire
+    flat0 = torch.cat(theta0)
+    da = (flat0 - torch.cat(wa)).half().float()
+    db = (flat0 - torch.cat(wb)).half().float()
+    d = (100 * da + 300 * db) / 400
+    expect = flat0 - 0.7 * (d + 0.9 * d)
+    assert torch.allclose(a.theta_g(), expect, atol=1e-6)
+
+    # a joiner mid-run receives (theta_g, m, round) from a live replica
+    c = start(links, child_env, run, b.dht_addrs())
+    assert c.fetch_state(timeout=15) == 1
+    assert c.digest == ra.digest and torch.equal(c.theta_g(), a.theta_g())
+
+
+def test_frozen_replica_does_not_hold_the_other_and_is_rebased(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    a = start(links, child_env, run, [])
+    b = start(links, child_env, run, a.dht_addrs())
+    theta0 = params(0, 1.0)
+    a.set_initial_state(theta0)
+    assert b.fetch_state(timeout=15) == 0
+    wa = [p * 0.99 for p in theta0]
+    a.begin_round(wa, 100)
+    b.begin_round(wa, 100)
+    time.sleep(0.5)  # both are matchmaking now
+    os.killpg(b.pid, signal.SIGSTOP)  # B and its hivemind helpers freeze mid-round
+    t0 = time.monotonic()
+    ra = a.wait_result(30)
+    bound = 2 * CFG.matchmaking_s + 1.0 + CFG.round_timeout_s + 5.0
+    assert time.monotonic() - t0 < bound and ra.applied and ra.round == 1
+    # A goes on alone: a lone replica still steps
+    a.begin_round([p * 0.98 for p in theta0], 100)
+    ra2 = a.wait_result(30)
+    assert ra2.applied and ra2.round == 2 and ra2.group_size == 1
+    assert 0.0 < ra2.eta_r < CFG.diloco.eta  # 100 of 400 target tokens: a smaller step
+
+    os.killpg(b.pid, signal.SIGCONT)
+    b.wait_result(40)  # whatever its interrupted round produced
+    assert b.round < 2
+    b.begin_round(wa, 100)
+    rb = b.wait_result(40)
+    assert rb.rebased, rb  # it saw round 2 in the DHT and adopted it before its own step
+    assert rb.round == 3, rb
+    print(f"frozen-peer bound {bound:.1f}s; A waited {ra.seconds:.2f}s", file=sys.stderr)
+
+
+def test_the_stage_side_never_loaded_hivemind() -> None:
+    assert "hivemind" not in sys.modules
