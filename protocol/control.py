@@ -1,11 +1,74 @@
-"""Control-plane messages between nodes and the coordinator.
+"""Control-plane messages between nodes and the coordinator (DESIGN.md section 7).
 
-(Extended by the coordinator work: join, heartbeat, membership, leases, shards.)
+Transport: one TCP connection, frames of `protocol.framing` (4-byte length + msgpack).
+Every request frame is a `protocol.signing.SignedRequest` whose `body` is one of the
+request messages below, signed by the node key. The coordinator answers each request
+with exactly one reply frame (a plain, unsigned message), in request order, so a client
+may pipeline. Any request may instead be answered with `ErrorReply`; its `code` is one
+of `ERROR_CODES`.
+
+Node-facing calls (request -> reply):
+
+- `JoinRequest` -> `JoinReply`: become a member. The reply carries the run (`RunInfo`:
+  run id, model preset, stages, activation codec, seed, heartbeat interval, lease TTL,
+  dataset hash) and the node's `stage`. Joining again with the same key replaces the
+  old membership (its leases are fenced). Fetch the dataset manifest with
+  `ManifestRequest` -> `protocol.corpus.Manifest`.
+- `HeartbeatRequest` -> `HeartbeatReply`: send every `RunInfo.heartbeat_interval_s`.
+  Renews the membership and every lease the node holds. The reply lists the leases
+  renewed and those fenced (the node must drop their uncommitted work), the node's
+  current stage (`moved` is true when the coordinator rebalanced it: load the new
+  stage's state from peers) and `drain` (finish the round, commit, release, leave).
+  A node whose membership lapsed gets `ErrorReply(code="not_member")` and re-joins.
+- `MembershipRequest(since=v)` -> `MembershipReply`: peers that joined or changed since
+  version `v` (`peers`) and peer ids that left (`left`); `full` is true when the reply
+  is a complete view (v = 0, or v older than the change log).
+- `LeaseAcquire` -> `LeaseGrant`: a data lease, or `lease=None` with a `reason`
+  ("no_shards", "deadline", "max_leases", "paused"). A lease covers the token range
+  `[committed, limit)` of one shard. `limit` is below the shard end when the node's
+  deadline allows only part of it (deadline-aware granting).
+- `LeaseCommit(lease_id, epoch, start, end)` -> `LeaseReply`: commit `[start, end)`;
+  `start` must equal the lease's committed offset (commits are monotonic) and
+  `end <= limit`. Committing up to `limit` completes the lease. Repeating the last
+  commit exactly is acknowledged again (safe retry). A stale holder gets
+  `ErrorReply(code="fenced")`.
+- `LeaseComplete(lease_id, epoch)` -> `LeaseReply`: confirm a lease whose committed
+  offset reached its limit (idempotent).
+- `LeaseRelease(lease_id, epoch)` -> `LeaseReply`: give the lease back; the shard
+  returns to the queue at its committed offset with a higher fencing epoch.
+- `ShardFetch(shard_id)` -> `ShardData`: the shard's bytes and sha256 (verify it).
+- `LeaveRequest` -> `OkReply`: leave cleanly (releases every lease).
+- `StatusRequest` -> `StatusReply`: read-only run summary; any valid signature will do
+  (an ephemeral key is fine), membership is not required.
+
+Admin calls carry `admin_token` and answer `OkReply` or `ErrorReply(code="forbidden")`:
+`AdminDrain(peer_id)`, `AdminBan(peer_id)`, `AdminPause(paused)`.
 """
 
 from __future__ import annotations
 
-from protocol.message import Message, bounded, message
+from protocol.message import Message, bounded, message, record
+
+MAX_PEERS_IN_REPLY = 200_000  # items
+MAX_ADDRS = 16  # listen multiaddrs per peer
+PEER_ID_LEN = 128  # characters, upper bound on a base58 peer id
+
+ERROR_CODES = (
+    "bad_request",  # malformed or invalid request (detail says what)
+    "bad_frame",  # the frame could not be decoded; the connection is closed
+    "bad_signature",  # signature invalid
+    "replay",  # nonce already seen, or timestamp outside the skew window
+    "unauthorized",  # join refused by the auth mode (token / allowlist)
+    "banned",  # the peer is banned from the run
+    "forbidden",  # admin call without a valid admin token
+    "not_member",  # the sender is not a live member: (re-)join first
+    "fenced",  # the lease was fenced: a newer holder owns the shard; drop the work
+    "not_found",  # no such lease / shard
+    "conflict",  # commit does not start at the committed offset, or exceeds the limit
+    "rate_limited",  # too many requests from this key; back off
+    "too_busy",  # connection limit reached
+    "internal",  # the coordinator failed; retry later
+)
 
 
 @message("error", version=1)
@@ -14,3 +77,251 @@ class ErrorReply(Message):
 
     code: str = bounded(max_len=64)
     detail: str = bounded(max_len=1024, default="")
+
+
+@message("ok", version=1)
+class OkReply(Message):
+    """Plain acknowledgement."""
+
+    detail: str = bounded(max_len=256, default="")
+
+
+# --- records -----------------------------------------------------------------------------
+
+
+@record
+class RunInfo(Message):
+    """What a node needs to know about the run it joined."""
+
+    run_id: str = bounded(max_len=128)
+    model_preset: str = bounded(max_len=64)
+    n_stages: int = bounded(ge=1, le=1024)
+    codec: str = bounded(max_len=64)  # activation codec id, e.g. "subspace_int8"
+    seed: int = bounded(ge=0)
+    heartbeat_interval_s: float = bounded(ge=0.01, le=3600.0)  # seconds
+    lease_ttl_s: float = bounded(ge=0.05, le=86_400.0)  # seconds
+    dataset_name: str = bounded(max_len=256)
+    dataset_hash: str = bounded(max_len=64)  # sha256 of the corpus (Manifest.content_hash)
+    shards: int = bounded(ge=0)  # training shards in the manifest
+    data_epoch: int = bounded(ge=0)
+
+
+@record
+class PeerInfo(Message):
+    """One member as others see it."""
+
+    peer_id: str = bounded(max_len=PEER_ID_LEN)
+    stage: int = bounded(ge=0)
+    addrs: list[str] = bounded(max_len=MAX_ADDRS)  # libp2p multiaddrs
+    device: str = bounded(max_len=64)
+    throughput: float = bounded(ge=0.0)  # tokens/s
+    deadline: float | None = bounded(ge=0.0, default=None)  # unix seconds
+
+
+@record
+class LeaseRef(Message):
+    """A lease as the holder names it."""
+
+    lease_id: int = bounded(ge=1)
+    epoch: int = bounded(ge=0)  # fencing epoch
+
+
+@record
+class LeaseInfo(Message):
+    """A DARL lease: the holder may train on tokens `[committed, limit)` of the shard."""
+
+    lease_id: int = bounded(ge=1)
+    shard_id: int = bounded(ge=0)
+    epoch: int = bounded(ge=0)  # fencing epoch; a commit must quote it
+    data_epoch: int = bounded(ge=0)
+    committed: int = bounded(ge=0)  # tokens of the shard committed so far
+    limit: int = bounded(ge=0)  # end of the granted range (<= shard_tokens)
+    shard_tokens: int = bounded(ge=1)
+    expires_at: float = bounded(ge=0.0)  # unix seconds; heartbeats extend it
+    state: str = bounded(max_len=16)  # active | complete | released | expired
+
+
+@record
+class StageStatus(Message):
+    stage: int = bounded(ge=0)
+    peers: int = bounded(ge=0)
+    throughput: float = bounded(ge=0.0)  # tokens/s, sum over the stage's peers
+    cost: float = bounded(ge=0.0)  # relative compute cost of the stage
+
+
+# --- node requests and replies -----------------------------------------------------------
+
+
+@message("join", version=1)
+class JoinRequest(Message):
+    """Become a member. The identity is the signing key of the enclosing SignedRequest."""
+
+    addrs: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)  # libp2p multiaddrs
+    device: str = bounded(max_len=64, default="cpu")
+    throughput: float = bounded(ge=0.0, le=1e12, default=0.0)  # measured tokens/s
+    deadline: float | None = bounded(ge=0.0, default=None)  # unix seconds (batch jobs)
+    stage: int | None = bounded(ge=0, default=None)  # ask for a fixed stage
+    join_token: str = bounded(max_len=256, default="")  # for auth mode "token"
+    metrics_port: int | None = bounded(ge=1, le=65535, default=None)  # Prometheus port
+    metrics_host: str | None = bounded(max_len=255, default=None)  # default: source address
+
+
+@message("join.reply", version=1)
+class JoinReply(Message):
+    peer_id: str = bounded(max_len=PEER_ID_LEN)
+    stage: int = bounded(ge=0)
+    run: RunInfo
+    membership_version: int = bounded(ge=0)
+
+
+@message("heartbeat", version=1)
+class HeartbeatRequest(Message):
+    leases: list[LeaseRef] = bounded(max_len=1024, default_factory=list)  # leases held
+    throughput: float | None = bounded(ge=0.0, le=1e12, default=None)  # tokens/s update
+
+
+@message("heartbeat.reply", version=1)
+class HeartbeatReply(Message):
+    stage: int = bounded(ge=0)
+    moved: bool = False  # the coordinator moved this node to `stage`
+    drain: bool = False  # drain: finish the round, commit, release, leave
+    paused: bool = False  # the run is paused: no new leases
+    renewed: list[LeaseRef] = bounded(max_len=1024, default_factory=list)
+    fenced: list[LeaseRef] = bounded(max_len=1024, default_factory=list)  # drop their work
+    expires_at: float = bounded(ge=0.0, default=0.0)  # unix seconds, membership expiry
+    membership_version: int = bounded(ge=0, default=0)
+    data_epoch: int = bounded(ge=0, default=0)
+
+
+@message("membership", version=1)
+class MembershipRequest(Message):
+    since: int = bounded(ge=0, default=0)  # membership version already known
+    stage: int | None = bounded(ge=0, default=None)  # only peers of this stage
+
+
+@message("membership.reply", version=1)
+class MembershipReply(Message):
+    version: int = bounded(ge=0)
+    full: bool = False  # `peers` is the whole view; forget everything else
+    peers: list[PeerInfo] = bounded(max_len=MAX_PEERS_IN_REPLY, default_factory=list)
+    left: list[str] = bounded(max_len=MAX_PEERS_IN_REPLY, default_factory=list)
+
+
+@message("manifest.get", version=1)
+class ManifestRequest(Message):
+    """Answered with `protocol.corpus.Manifest`."""
+
+
+@message("lease.acquire", version=1)
+class LeaseAcquire(Message):
+    max_tokens: int | None = bounded(ge=1, default=None)  # cap the granted range
+
+
+@message("lease.grant", version=1)
+class LeaseGrant(Message):
+    lease: LeaseInfo | None = None
+    reason: str = bounded(max_len=32, default="")  # why nothing was granted
+
+
+@message("lease.commit", version=1)
+class LeaseCommit(Message):
+    lease_id: int = bounded(ge=1)
+    epoch: int = bounded(ge=0)
+    start: int = bounded(ge=0)  # must equal the committed offset
+    end: int = bounded(ge=0)  # exclusive; start < end <= limit
+
+
+@message("lease.complete", version=1)
+class LeaseComplete(Message):
+    lease_id: int = bounded(ge=1)
+    epoch: int = bounded(ge=0)
+
+
+@message("lease.release", version=1)
+class LeaseRelease(Message):
+    lease_id: int = bounded(ge=1)
+    epoch: int = bounded(ge=0)
+
+
+@message("lease.reply", version=1)
+class LeaseReply(Message):
+    lease: LeaseInfo
+    shard_done: bool = False  # the whole shard is committed for this data epoch
+
+
+@message("shard.fetch", version=1)
+class ShardFetch(Message):
+    shard_id: int = bounded(ge=0)
+
+
+@message("shard.data", version=1)
+class ShardData(Message):
+    shard_id: int = bounded(ge=0)
+    sha256: str = bounded(min_len=64, max_len=64)
+    data: bytes
+
+
+@message("leave", version=1)
+class LeaveRequest(Message):
+    pass
+
+
+@message("status", version=1)
+class StatusRequest(Message):
+    pass
+
+
+@message("status.reply", version=1)
+class StatusReply(Message):
+    run_id: str = bounded(max_len=128)
+    membership_version: int = bounded(ge=0)
+    paused: bool
+    peers: int = bounded(ge=0)
+    stages: list[StageStatus] = bounded(max_len=1024)
+    leases: dict[str, int] = bounded(max_len=16)  # lease state -> count (live view)
+    shards: dict[str, int] = bounded(max_len=16)  # shard state -> count, this data epoch
+    data_epoch: int = bounded(ge=0)
+    committed_tokens: int = bounded(ge=0)  # this data epoch
+    epoch_tokens: int = bounded(ge=0)  # tokens in one data epoch
+    tokens_per_s: float = bounded(ge=0.0)  # recent commit rate
+    eta_s: float | None = bounded(ge=0.0, default=None)  # to the end of this data epoch
+    uptime_s: float = bounded(ge=0.0, default=0.0)
+
+
+# --- admin -------------------------------------------------------------------------------
+
+
+@message("admin.drain", version=1)
+class AdminDrain(Message):
+    admin_token: str = bounded(max_len=256)
+    peer_id: str = bounded(max_len=PEER_ID_LEN)
+
+
+@message("admin.ban", version=1)
+class AdminBan(Message):
+    admin_token: str = bounded(max_len=256)
+    peer_id: str = bounded(max_len=PEER_ID_LEN)
+
+
+@message("admin.pause", version=1)
+class AdminPause(Message):
+    admin_token: str = bounded(max_len=256)
+    paused: bool = True
+
+
+REQUEST_TYPES: tuple[type[Message], ...] = (
+    JoinRequest,
+    HeartbeatRequest,
+    MembershipRequest,
+    ManifestRequest,
+    LeaseAcquire,
+    LeaseCommit,
+    LeaseComplete,
+    LeaseRelease,
+    ShardFetch,
+    LeaveRequest,
+    StatusRequest,
+    AdminDrain,
+    AdminBan,
+    AdminPause,
+)

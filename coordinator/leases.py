@@ -1,0 +1,399 @@
+"""DARL data leases: the pure state machine (DESIGN.md section 7). No I/O, no clock.
+
+A lease is (lease id, shard, holder, fencing epoch, expiry, committed offset) plus the
+`limit` of the granted range. Rules:
+
+- A shard has at most one active lease. Granting takes the shard's next fencing epoch.
+- Heartbeats renew every active lease of the holder (`renew`).
+- A lease past its expiry is expired (`expire_due`): the shard returns to the front of
+  the queue at its committed offset; the next grant carries a higher epoch. The old
+  holder's commits are refused with `LeaseError("fenced")` (and audited as `fence`).
+- `commit(start, end)` requires `start == committed` and `end <= limit`, so commits are
+  monotonic and never overlap. Committing up to `limit` completes the lease; when the
+  limit is the shard end the shard is done, otherwise it is re-queued at the offset.
+- When every shard is done the data epoch advances and all shards start over.
+
+Every mutation is recorded in the `Journal` (rows + audit events) for the store.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from coordinator.journal import AuditEvent, Journal
+
+ACTIVE, COMPLETE, RELEASED, EXPIRED = "active", "complete", "released", "expired"
+PENDING, LEASED, DONE = "pending", "leased", "done"
+RECENT_LEASES = 100_000  # finished leases kept in memory for idempotent retries
+
+
+class LeaseError(Exception):
+    """A refused lease call; `code` is a protocol error code (fenced, conflict, ...)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+@dataclasses.dataclass(slots=True)
+class Shard:
+    shard_id: int
+    tokens: int  # tokens in the shard
+    committed: int = 0  # tokens committed in the current data epoch
+    epoch: int = 0  # highest fencing epoch granted so far (never decreases)
+    state: str = PENDING  # pending | leased | done
+    lease_id: int = 0  # the active lease, 0 when none
+
+    def row(self) -> tuple[Any, ...]:
+        return (self.shard_id, self.tokens, self.committed, self.epoch, self.state, self.lease_id)
+
+
+@dataclasses.dataclass(slots=True)
+class Lease:
+    lease_id: int
+    shard_id: int
+    holder: str  # peer id
+    epoch: int  # fencing epoch
+    data_epoch: int
+    committed: int  # shard offset committed so far
+    limit: int  # end of the granted range
+    shard_tokens: int
+    expires_at: float  # unix seconds
+    state: str = ACTIVE
+    last_start: int = -1  # start of the last accepted commit (for idempotent retries)
+
+    def row(self) -> tuple[Any, ...]:
+        return (
+            self.lease_id,
+            self.shard_id,
+            self.holder,
+            self.epoch,
+            self.data_epoch,
+            self.committed,
+            self.limit,
+            self.shard_tokens,
+            self.expires_at,
+            self.state,
+            self.last_start,
+        )
+
+    @classmethod
+    def from_row(cls, r: Iterable[Any]) -> Lease:
+        return cls(*r)
+
+
+class LeaseBook:
+    def __init__(
+        self,
+        shards: Iterable[Shard],
+        *,
+        journal: Journal,
+        ttl_s: float,
+        data_epoch: int = 0,
+        next_lease_id: int = 1,
+        leases: Iterable[Lease] = (),
+    ) -> None:
+        self.journal = journal
+        self.ttl_s = ttl_s  # seconds
+        self.data_epoch = data_epoch
+        self.next_lease_id = next_lease_id
+        self.shards: dict[int, Shard] = {s.shard_id: s for s in shards}
+        if not self.shards:
+            raise ValueError("a lease book needs at least one shard")
+        self.leases: collections.OrderedDict[int, Lease] = collections.OrderedDict()
+        self.active: dict[int, Lease] = {}
+        self.by_holder: dict[str, dict[int, Lease]] = {}
+        for lease in sorted(leases, key=lambda x: x.lease_id):
+            self.leases[lease.lease_id] = lease
+            if lease.state == ACTIVE:
+                self._index(lease)
+        self.epoch_tokens = sum(s.tokens for s in self.shards.values())
+        self._queue: collections.deque[int] = collections.deque()
+        self._rebuild_queue()
+        self.fenced_total = 0  # refused stale calls since start
+
+    # -- queries ------------------------------------------------------------------------
+
+    def committed_tokens(self) -> int:
+        return sum(s.committed for s in self.shards.values())
+
+    def counts(self) -> dict[str, int]:
+        out = {PENDING: 0, LEASED: 0, DONE: 0}
+        for s in self.shards.values():
+            out[s.state] += 1
+        return out
+
+    def holder_leases(self, holder: str) -> list[Lease]:
+        return list(self.by_holder.get(holder, {}).values())
+
+    # -- operations ---------------------------------------------------------------------
+
+    def acquire(
+        self,
+        holder: str,
+        now: float,
+        *,
+        max_tokens: int | None = None,
+        budget_tokens: int | None = None,
+        min_tokens: int = 1,
+    ) -> tuple[Lease | None, str]:
+        """Grant the next queued shard (resumed shards first). `budget_tokens` caps the
+        range at what the holder can finish before its deadline; below `min_tokens`
+        nothing is granted (reason "deadline")."""
+        cap = max_tokens
+        if budget_tokens is not None:
+            if budget_tokens < min_tokens:
+                return None, "deadline"
+            cap = budget_tokens if cap is None else min(cap, budget_tokens)
+        shard = self._next_pending()
+        if shard is None:
+            return None, "no_shards"
+        remaining = shard.tokens - shard.committed
+        limit = shard.committed + (remaining if cap is None else min(remaining, cap))
+        shard.epoch += 1
+        lease = Lease(
+            lease_id=self.next_lease_id,
+            shard_id=shard.shard_id,
+            holder=holder,
+            epoch=shard.epoch,
+            data_epoch=self.data_epoch,
+            committed=shard.committed,
+            limit=limit,
+            shard_tokens=shard.tokens,
+            expires_at=now + self.ttl_s,
+        )
+        self.next_lease_id += 1
+        self.journal.meta["next_lease_id"] = str(self.next_lease_id)
+        shard.state, shard.lease_id = LEASED, lease.lease_id
+        self._remember(lease)
+        self._index(lease)
+        self._touch(shard, lease)
+        self._audit(now, "grant", lease, lease.committed, limit)
+        return lease, ""
+
+    def renew(self, holder: str, now: float) -> list[Lease]:
+        """Extend every active lease of `holder` to now + TTL."""
+        held = self.by_holder.get(holder)
+        if not held:
+            return []
+        for lease in held.values():
+            lease.expires_at = now + self.ttl_s
+            self.journal.leases[lease.lease_id] = lease
+        return list(held.values())
+
+    def lookup(self, holder: str, lease_id: int, epoch: int) -> Lease | None:
+        """The holder's active lease with this id and epoch, or None if fenced/unknown."""
+        lease = self.active.get(lease_id)
+        if lease is None or lease.holder != holder or lease.epoch != epoch:
+            return None
+        return lease
+
+    def commit(
+        self, holder: str, lease_id: int, epoch: int, start: int, end: int, now: float
+    ) -> tuple[Lease, bool]:
+        """Commit `[start, end)`; returns (lease, shard_done)."""
+        lease = self._owned(holder, lease_id, epoch, now, start, end, allow_complete=True)
+        if start == lease.last_start and end == lease.committed:  # a retry of the last commit
+            return lease, lease.state == COMPLETE and lease.limit == lease.shard_tokens
+        if lease.state == COMPLETE:
+            raise LeaseError("conflict", f"lease {lease_id} is already complete")
+        if start != lease.committed:
+            raise LeaseError(
+                "conflict",
+                f"commit must start at the committed offset {lease.committed}, not {start}",
+            )
+        if not start < end <= lease.limit:
+            raise LeaseError(
+                "conflict", f"commit end {end} outside ({start}, {lease.limit}] of lease {lease_id}"
+            )
+        shard = self.shards[lease.shard_id]
+        lease.committed = shard.committed = end
+        lease.last_start = start
+        self._touch(shard, lease)
+        self._audit(now, "commit", lease, start, end)
+        if end < lease.limit:
+            return lease, False
+        return lease, self._finish(lease, shard, now)
+
+    def complete(self, holder: str, lease_id: int, epoch: int, now: float) -> tuple[Lease, bool]:
+        lease = self._owned(holder, lease_id, epoch, now, 0, 0, allow_complete=True)
+        if lease.state != COMPLETE:
+            raise LeaseError(
+                "conflict",
+                f"lease {lease_id} has {lease.limit - lease.committed} uncommitted tokens",
+            )
+        return lease, lease.limit == lease.shard_tokens
+
+    def release(self, holder: str, lease_id: int, epoch: int, now: float) -> Lease:
+        lease = self._owned(holder, lease_id, epoch, now, 0, 0, allow_complete=True)
+        if lease.state == COMPLETE:
+            return lease
+        self._end(lease, RELEASED, now)
+        return lease
+
+    def release_holder(self, holder: str, now: float, *, expired: bool) -> list[Lease]:
+        """End every active lease of a holder that left (released) or lapsed (expired)."""
+        out = list(self.by_holder.get(holder, {}).values())
+        for lease in out:
+            self._end(lease, EXPIRED if expired else RELEASED, now)
+        return out
+
+    def expire_due(self, now: float) -> list[Lease]:
+        """Expire every active lease whose expiry has passed."""
+        due = [x for x in self.active.values() if x.expires_at <= now]
+        for lease in due:
+            self._end(lease, EXPIRED, now)
+        return due
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _owned(
+        self,
+        holder: str,
+        lease_id: int,
+        epoch: int,
+        now: float,
+        start: int,
+        end: int,
+        *,
+        allow_complete: bool,
+    ) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            if 0 < lease_id < self.next_lease_id:
+                self._fence(holder, lease_id, epoch, now, start, end, "lease is no longer active")
+            raise LeaseError("not_found", f"no lease {lease_id}")
+        if lease.holder != holder:
+            self._fence(holder, lease_id, epoch, now, start, end, "held by another peer")
+        if lease.epoch != epoch:
+            self._fence(holder, lease_id, epoch, now, start, end, f"epoch {epoch} != {lease.epoch}")
+        if lease.state == ACTIVE or (allow_complete and lease.state == COMPLETE):
+            return lease
+        self._fence(holder, lease_id, epoch, now, start, end, f"lease was {lease.state}")
+        raise AssertionError("unreachable")
+
+    def _fence(
+        self, holder: str, lease_id: int, epoch: int, now: float, start: int, end: int, why: str
+    ) -> None:
+        self.fenced_total += 1
+        lease = self.leases.get(lease_id)
+        shard_id = lease.shard_id if lease is not None else -1
+        self.journal.audit.append(
+            AuditEvent(now, self.data_epoch, "fence", shard_id, lease_id, holder, epoch, start, end)
+        )
+        raise LeaseError(
+            "fenced",
+            f"lease {lease_id} (epoch {epoch}) is fenced: {why}; the shard belongs to a newer"
+            " holder, drop its uncommitted work",
+        )
+
+    def _finish(self, lease: Lease, shard: Shard, now: float) -> bool:
+        lease.state = COMPLETE
+        self._unindex(lease)
+        self._audit(now, "complete", lease, lease.committed, lease.limit)
+        shard.lease_id = 0
+        if shard.committed < shard.tokens:
+            shard.state = PENDING
+            self._queue.appendleft(shard.shard_id)
+            self._touch(shard, lease)
+            return False
+        shard.state = DONE
+        self._touch(shard, lease)
+        if all(s.state == DONE for s in self.shards.values()):
+            self._rollover(now)
+        return True
+
+    def _end(self, lease: Lease, state: str, now: float) -> None:
+        lease.state = state
+        self._unindex(lease)
+        shard = self.shards[lease.shard_id]
+        shard.state, shard.lease_id = PENDING, 0
+        self._queue.appendleft(shard.shard_id)
+        self._touch(shard, lease)
+        kind = "expire" if state == EXPIRED else "release"
+        self._audit(now, kind, lease, lease.committed, lease.limit)
+
+    def _rollover(self, now: float) -> None:
+        self.data_epoch += 1
+        for s in self.shards.values():
+            s.committed, s.state, s.lease_id = 0, PENDING, 0
+            self.journal.shards[s.shard_id] = s
+        self.journal.meta["data_epoch"] = str(self.data_epoch)
+        self.journal.audit.append(
+            AuditEvent(now, self.data_epoch, "epoch", -1, 0, "", 0, 0, self.epoch_tokens)
+        )
+        self._rebuild_queue()
+
+    def _next_pending(self) -> Shard | None:
+        while self._queue:
+            shard = self.shards[self._queue.popleft()]
+            if shard.state == PENDING and shard.committed < shard.tokens:
+                return shard
+        return None
+
+    def _rebuild_queue(self) -> None:
+        pending = [s for s in self.shards.values() if s.state == PENDING]
+        pending.sort(key=lambda s: (s.committed == 0, s.shard_id))  # resumed shards first
+        self._queue = collections.deque(s.shard_id for s in pending)
+
+    def _remember(self, lease: Lease) -> None:
+        self.leases[lease.lease_id] = lease
+        while len(self.leases) > RECENT_LEASES:
+            old_id, old = next(iter(self.leases.items()))
+            if old.state == ACTIVE:
+                break
+            del self.leases[old_id]
+
+    def _index(self, lease: Lease) -> None:
+        self.active[lease.lease_id] = lease
+        self.by_holder.setdefault(lease.holder, {})[lease.lease_id] = lease
+
+    def _unindex(self, lease: Lease) -> None:
+        self.active.pop(lease.lease_id, None)
+        held = self.by_holder.get(lease.holder)
+        if held is not None:
+            held.pop(lease.lease_id, None)
+            if not held:
+                del self.by_holder[lease.holder]
+
+    def _touch(self, shard: Shard, lease: Lease) -> None:
+        self.journal.shards[shard.shard_id] = shard
+        self.journal.leases[lease.lease_id] = lease
+
+    def _audit(self, now: float, kind: str, lease: Lease, start: int, end: int) -> None:
+        self.journal.audit.append(
+            AuditEvent(
+                now,
+                lease.data_epoch,
+                kind,
+                lease.shard_id,
+                lease.lease_id,
+                lease.holder,
+                lease.epoch,
+                start,
+                end,
+            )
+        )
+
+
+def restore_book(
+    shard_rows: Iterable[Iterable[Any]],
+    lease_rows: Iterable[Iterable[Any]],
+    meta: dict[str, str],
+    *,
+    journal: Journal,
+    ttl_s: float,
+) -> LeaseBook:
+    """Rebuild the book from stored rows (see `coordinator.store`)."""
+    return LeaseBook(
+        [Shard(*r) for r in shard_rows],
+        journal=journal,
+        ttl_s=ttl_s,
+        data_epoch=int(meta.get("data_epoch", "0")),
+        next_lease_id=int(meta.get("next_lease_id", "1")),
+        leases=[Lease(*r) for r in lease_rows],
+    )
