@@ -1,10 +1,141 @@
-"""`agora-node`: run a training peer."""
+"""`agora-node`: run a training peer.
+
+Reads its settings from `--config FILE` (TOML) with a few flags on top, creates or loads
+the node identity, joins the coordinator and trains until Ctrl-C (or SIGTERM, or its
+deadline), then drains: in-flight micro-batches finish, leases are released, the node
+leaves and exits 0. A second Ctrl-C exits at once.
+"""
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
+import signal
 import sys
+from pathlib import Path
+
+import trio
+
+from node.config import NodeConfig
+from protocol.identity import NodeKey
+
+log = logging.getLogger("agora.node")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="agora-node",
+        description="Join an Agora run as a training peer: serve one pipeline stage, "
+        "train on leased data, and leave cleanly on Ctrl-C.",
+    )
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="the run's agora-coordinator")
+    p.add_argument("--config", type=Path, help="TOML file with a [node] table")
+    p.add_argument("--stage", default=None, help="pipeline stage: auto (default) or a number")
+    p.add_argument("--device", default=None, help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument(
+        "--identity", type=Path, default=None,
+        help="ed25519 key file, created on first run (default ~/.config/agora/node.key)",
+    )  # fmt: skip
+    p.add_argument(
+        "--listen", default=None, help="libp2p listen multiaddr (default /ip4/127.0.0.1/tcp/0)"
+    )
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
+    p.add_argument(
+        "--deadline", default=None,
+        help="leave before this time: unix seconds, ISO 8601, or +DURATION such as +2h",
+    )  # fmt: skip
+    p.add_argument("--join-token", default=None, help="token for closed runs (auth mode token)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after committing N tokens")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    return p.parse_args(argv)
+
+
+def load_identity(path: Path) -> NodeKey:
+    """Load the 32-byte ed25519 seed at `path`, creating it (mode 0600) on first run."""
+    if path.exists():
+        seed = path.read_bytes()
+        if len(seed) != 32:
+            raise ValueError(f"identity file {path} must hold a 32-byte ed25519 seed")
+        return NodeKey(seed)
+    key = NodeKey.generate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(key.seed)
+    log.info("created identity %s (peer id %s)", path, key.peer_id)
+    return key
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {requested}: no CUDA device is available")
+    return requested
+
+
+async def _run(cfg: NodeConfig, key: NodeKey, device: str) -> int:
+    from node.coordinator_client import CoordinatorClient
+    from node.p2p.host import Libp2pTransport
+    from node.p2p.transport import P2PConfig
+    from node.runtime import Node
+
+    transport = Libp2pTransport(key, P2PConfig(listen=[cfg.listen]))
+    host, port = cfg.coordinator_addr
+    async with transport.run(), CoordinatorClient(host, port, key) as client:
+        node = Node(cfg, transport, client, device=device)
+        async with trio.open_nursery() as nursery:
+
+            async def signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+                    async for signum in sigs:
+                        if node._draining.is_set():
+                            log.warning("second %s: exiting now", signal.Signals(signum).name)
+                            os._exit(130)
+                        log.info("%s: draining; press Ctrl-C again to exit at once",
+                                 signal.Signals(signum).name)  # fmt: skip
+                        node.drain()
+
+            nursery.start_soon(signals)
+            await node.run()
+            nursery.cancel_scope.cancel()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("agora-node: not yet available (the pipeline issue delivers it)", file=sys.stderr)
-    return 2
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        stage = None if args.stage in (None, "auto") else int(args.stage)
+        cfg = NodeConfig.load(
+            args.config,
+            {
+                "coordinator": args.coordinator,
+                "stage": stage,
+                "device": args.device,
+                "identity": args.identity,
+                "listen": args.listen,
+                "metrics_port": args.metrics_port,
+                "deadline": args.deadline,
+                "join_token": args.join_token,
+                "max_tokens": args.max_tokens,
+            },
+        )
+        key = load_identity(cfg.identity)
+        device = resolve_device(cfg.device)
+    except (ValueError, OSError) as exc:
+        print(f"agora-node: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("AGORA_TORCH_THREADS", "1")))
+    if cfg.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(cfg.metrics_port)
+    return trio.run(_run, cfg, key, device)

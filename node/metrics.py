@@ -1,0 +1,36 @@
+"""Prometheus metrics of a training node (no peer-id labels; bounded label sets)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+TOKENS = Counter("agora_node_tokens_total", "Tokens this node finished backward for")
+COMMITTED = Counter("agora_node_committed_tokens_total", "Lease tokens this node committed")
+LOSS = Gauge("agora_node_loss", "Mean training loss of recent micro-batches (nats per byte)")
+MICROBATCHES = Counter(
+    "agora_node_microbatches_total",
+    "Micro-batches by outcome",
+    ["result"],  # done | retried | dropped
+)
+IN_FLIGHT = Gauge("agora_node_microbatches_in_flight", "Micro-batches sent and not yet returned")
+BYTES = Counter(
+    "agora_node_boundary_bytes_total",
+    "Bytes crossing this node's stage boundaries",
+    ["direction", "kind"],  # direction: fwd | bwd; kind: raw | wire
+)
+COMPRESSION = Gauge(
+    "agora_node_compression_ratio", "Raw fp32 bytes over wire bytes, both directions"
+)
+INNER_STEPS = Counter("agora_node_inner_steps_total", "Inner optimizer steps")
+OUTER_STEPS = Counter("agora_node_outer_steps_total", "Outer (DiLoCo) steps applied")
+STAGE = Gauge("agora_node_stage", "Pipeline stage this node serves")
+MB_SECONDS = Histogram(
+    "agora_node_microbatch_seconds",
+    "Round trip of a micro-batch through the downstream stages",
+    buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
+)
+HEARTBEAT_SECONDS = Histogram(
+    "agora_node_heartbeat_seconds",
+    "Coordinator heartbeat round trip",
+    buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3),
+)

@@ -1,0 +1,498 @@
+"""A training node's life: join, serve its stage, drive micro-batches, drain and leave.
+
+Trio owns everything here; torch work goes to the one `TorchWorker` thread. Tasks:
+- the heartbeat loop renews membership and leases, learns fences, moves and drains;
+- the membership loop keeps the view of peers (the data plane serves only members);
+- on stage 0, the driver leases data, cuts micro-batches, keeps `in_flight` of them in
+  the pipeline, retries a failed route on another peer, and commits the contiguous
+  prefix of finished micro-batches (a micro-batch counts once: its id is its lease and
+  offset, and stage 0 finishes it once);
+- the `/agora/fwd/1` handler (stages > 0) runs the forward, passes it on, and answers with
+  the gradient once the downstream stages have answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from node import metrics
+from node.config import NodeConfig
+from node.coordinator_client import CoordinatorClient, CoordinatorError
+from node.lease_progress import LeaseProgress
+from node.model import preset
+from node.p2p.transport import Transport, TransportError
+from node.routing import Router
+from node.stage_compute import InnerConfig, StageCompute, throughput_probe
+from node.worker import TorchWorker
+from protocol.control import (
+    HeartbeatRequest,
+    JoinReply,
+    JoinRequest,
+    LeaseAcquire,
+    LeaseCommit,
+    LeaseGrant,
+    LeaseInfo,
+    LeaseRef,
+    LeaseRelease,
+    LeaveRequest,
+    MembershipReply,
+    MembershipRequest,
+    PeerInfo,
+    ShardData,
+    ShardFetch,
+)
+from protocol.corpus import ShardInfo, verify_shard
+from protocol.errors import ProtocolError
+from protocol.message import Message
+from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
+from protocol.tensors import EncodedTensor, TensorFrame
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 1024  # sequences per micro-batch a peer may send us
+IDLE_WAIT_S = 0.5  # seconds between polls when there is nothing to do
+
+
+@dataclass(slots=True)
+class NodeStats:
+    """What the node reports about itself (heartbeats, the demo, logs)."""
+
+    losses: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    tokens_committed: int = 0  # lease tokens committed by this node
+
+    @property
+    def loss(self) -> float | None:
+        return sum(self.losses) / len(self.losses) if self.losses else None
+
+
+class Node:
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        transport: Transport,
+        client: CoordinatorClient,
+        *,
+        device: str = "cpu",
+    ) -> None:
+        self.cfg = cfg
+        self.transport = transport
+        self.client = client
+        self.device = device
+        self.worker = TorchWorker()
+        self.router = Router()
+        self.stats = NodeStats()
+        self.members: dict[str, PeerInfo] = {}
+        self.membership_version = 0
+        self.compute: StageCompute | None = None
+        self.join: JoinReply | None = None
+        self.leases: dict[int, LeaseInfo] = {}  # held leases by id
+        self._fenced: set[int] = set()  # lease ids the coordinator fenced
+        self._draining = trio.Event()  # stop taking new work
+        self._shards: dict[int, bytes] = {}  # shard bytes cache (bounded below)
+        self._bytes_seen: dict[str, int] = {}  # codec byte counts already in the metrics
+        self.throughput = 0.0  # measured tokens/s of this stage
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def stage(self) -> int:
+        assert self.join is not None
+        return self.join.stage
+
+    def drain(self) -> None:
+        """Begin a graceful exit: finish in-flight work, commit, release, leave."""
+        if not self._draining.is_set():
+            log.info("node: draining (finishing in-flight micro-batches, then leaving)")
+            self._draining.set()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.join = await self.client.call(
+            JoinRequest(
+                addrs=self.transport.listen_addrs,
+                device=self.device,
+                deadline=self.cfg.deadline,
+                stage=self.cfg.stage,
+                join_token=self.cfg.join_token,
+                metrics_port=self.cfg.metrics_port or None,
+            ),
+            expect=JoinReply,
+        )
+        run = self.join.run
+        log.info(
+            "node: joined run %s as %s on stage %d/%d (preset %s, codec %s)",
+            run.run_id, self.join.peer_id, self.stage, run.n_stages, run.model_preset, run.codec,
+        )  # fmt: skip
+        metrics.STAGE.set(self.stage)
+        model_cfg = preset(run.model_preset).replace(seed=run.seed)
+        inner = InnerConfig(
+            lr=self.cfg.lr,
+            warmup_steps=self.cfg.warmup_steps,
+            weight_decay=self.cfg.weight_decay,
+            inner_batch_tokens=self.cfg.inner_batch_tokens,
+            cache_size=self.cfg.activation_cache,
+        )
+        self.compute = await self.worker.run(
+            StageCompute, model_cfg, self.stage, run.n_stages, run.codec, inner, self.device
+        )
+        self.throughput = await self.worker.run(
+            throughput_probe, self.compute, self.cfg.micro_batch, self.cfg.seq_len
+        )
+        self.transport.set_handler(FORWARD_PROTOCOL, self._serve_forward)
+        self.transport.set_membership(lambda peer: peer in self.members)  # type: ignore[attr-defined]
+        await self._refresh_membership()
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._heartbeat_loop)
+                nursery.start_soon(self._membership_loop)
+                if self.cfg.deadline is not None:
+                    nursery.start_soon(self._deadline_watch)
+                if self.stage == 0:
+                    await self._drive()
+                else:
+                    await self._draining.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            await self._leave()
+            self.worker.close()
+
+    async def _leave(self) -> None:
+        with trio.move_on_after(self.cfg.drain_timeout_s) as scope:
+            scope.shield = True
+            for lease in list(self.leases.values()):
+                await self._release(lease)
+            try:
+                await self.client.call(LeaveRequest(), expect=Message)
+                log.info("node: left the run")
+            except (CoordinatorError, OSError, trio.TooSlowError) as exc:
+                log.warning("node: could not say goodbye to the coordinator: %s", exc)
+
+    async def _deadline_watch(self) -> None:
+        assert self.cfg.deadline is not None
+        # Leave with enough time to finish in-flight work before the walltime ends.
+        margin = self.cfg.drain_timeout_s + 2 * self.cfg.request_timeout_s
+        await trio.sleep(max(0.0, self.cfg.deadline - margin - time.time()))
+        log.info("node: deadline in %.0f s: draining", self.cfg.deadline - time.time())
+        self.drain()
+
+    # --- coordinator loops -----------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        assert self.join is not None
+        interval = self.join.run.heartbeat_interval_s
+        while True:
+            await trio.sleep(interval)
+            t0 = time.perf_counter()
+            try:
+                reply = await self.client.heartbeat(
+                    HeartbeatRequest(
+                        leases=[
+                            LeaseRef(lease_id=i, epoch=le.epoch) for i, le in self.leases.items()
+                        ],
+                        throughput=self.throughput,
+                        loss=self.stats.loss,
+                        tokens=self.compute.tokens_trained if self.compute else 0,
+                    )
+                )
+            except CoordinatorError as exc:
+                log.warning("node: heartbeat failed (%s); retrying", exc)
+                continue
+            metrics.HEARTBEAT_SECONDS.observe(time.perf_counter() - t0)
+            for ref in reply.fenced:
+                if ref.lease_id in self.leases:
+                    log.warning("node: lease %d was fenced; dropping its work", ref.lease_id)
+                    self._fenced.add(ref.lease_id)
+                    self.leases.pop(ref.lease_id, None)
+            if reply.drain:
+                self.drain()
+            if reply.membership_version != self.membership_version:
+                await self._refresh_membership()
+
+    async def _membership_loop(self) -> None:
+        assert self.join is not None
+        while True:
+            await trio.sleep(max(1.0, self.join.run.heartbeat_interval_s))
+            try:
+                await self._refresh_membership()
+            except CoordinatorError as exc:
+                log.debug("node: membership refresh failed: %s", exc)
+
+    async def _refresh_membership(self) -> None:
+        reply = await self.client.call(
+            MembershipRequest(since=self.membership_version), expect=MembershipReply
+        )
+        if reply.full:
+            self.members = {}
+        for peer in reply.peers:
+            self.members[peer.peer_id] = peer
+            if peer.addrs:
+                self.transport.add_peer_addrs(peer.peer_id, peer.addrs)
+        for peer_id in reply.left:
+            self.members.pop(peer_id, None)
+        self.router.forget(set(self.members))
+        self.membership_version = reply.version
+
+    def _next_stage_peers(self) -> list[str]:
+        want = self.stage + 1
+        me = self.transport.peer_id
+        return [p for p, info in self.members.items() if info.stage == want and p != me]
+
+    # --- stage 0: the driver ---------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        while not self._draining.is_set():
+            if (
+                self.cfg.max_tokens is not None
+                and self.stats.tokens_committed >= self.cfg.max_tokens
+            ):
+                log.info("node: reached max_tokens=%d; draining", self.cfg.max_tokens)
+                self.drain()
+                break
+            try:
+                grant = await self.client.call(LeaseAcquire(), expect=LeaseGrant)
+            except CoordinatorError as exc:
+                log.warning("node: lease request failed: %s", exc)
+                await trio.sleep(IDLE_WAIT_S)
+                continue
+            if grant.lease is None:
+                log.debug("node: no lease granted (%s)", grant.reason)
+                with trio.move_on_after(IDLE_WAIT_S * 4):
+                    await self._draining.wait()
+                continue
+            await self._train_lease(grant.lease)
+
+    async def _shard(self, shard_id: int) -> bytes:
+        if shard_id not in self._shards:
+            data = await self.client.call(ShardFetch(shard_id=shard_id), expect=ShardData)
+            verify_shard(
+                data.data,
+                ShardInfo(shard_id=shard_id, start=0, tokens=len(data.data), sha256=data.sha256),
+            )
+            if len(self._shards) >= 4:
+                self._shards.pop(next(iter(self._shards)))
+            self._shards[shard_id] = data.data
+        return self._shards[shard_id]
+
+    async def _train_lease(self, lease: LeaseInfo) -> None:
+        self.leases[lease.lease_id] = lease
+        shard = await self._shard(lease.shard_id)
+        progress = LeaseProgress(committed=lease.committed, end=lease.limit)
+        mb_tokens = self.cfg.micro_batch * self.cfg.seq_len
+        commit_lock = trio.Lock()
+        slots = trio.Semaphore(self.cfg.in_flight)
+        log.info(
+            "node: training lease %d (shard %d, tokens %d..%d, epoch %d)",
+            lease.lease_id, lease.shard_id, lease.committed, lease.limit, lease.epoch,
+        )  # fmt: skip
+        async with trio.open_nursery() as nursery:
+            for start in range(lease.committed, lease.limit, mb_tokens):
+                if self._draining.is_set() or lease.lease_id in self._fenced:
+                    break
+                await slots.acquire()
+                stop = min(start + mb_tokens, lease.limit)
+                nursery.start_soon(
+                    self._microbatch, lease, shard, start, stop, progress, commit_lock, slots
+                )
+        if lease.lease_id in self._fenced:
+            self._fenced.discard(lease.lease_id)
+            return
+        if progress.complete:
+            self.leases.pop(lease.lease_id, None)
+            log.info("node: lease %d complete", lease.lease_id)
+
+    def _rows(self, shard: bytes, start: int, stop: int) -> np.ndarray:
+        """Sequences of seq_len + 1 bytes starting every seq_len tokens in [start, stop)."""
+        t = self.cfg.seq_len
+        starts = [s for s in range(start, stop, t) if s + t + 1 <= len(shard)]
+        if not starts:
+            return np.zeros((0, t + 1), dtype=np.uint8)
+        buf = np.frombuffer(shard, dtype=np.uint8)
+        return np.stack([buf[s : s + t + 1] for s in starts])
+
+    async def _microbatch(
+        self,
+        lease: LeaseInfo,
+        shard: bytes,
+        start: int,
+        stop: int,
+        progress: LeaseProgress,
+        commit_lock: trio.Lock,
+        slots: trio.Semaphore,
+    ) -> None:
+        try:
+            rows = self._rows(shard, start, stop)
+            mb_id = f"{lease.lease_id}.{lease.epoch}.{start}"
+            if len(rows):
+                loss = await self._through_pipeline(mb_id, rows, lease)
+                if loss is None:  # fenced or draining: not finished, not committed
+                    return
+                self.stats.losses.append(loss)
+                metrics.LOSS.set(loss)
+            metrics.MICROBATCHES.labels("done").inc()
+            progress.finish(start, stop)
+            async with commit_lock:
+                await self._commit(lease, progress)
+        finally:
+            slots.release()
+
+    async def _through_pipeline(
+        self, mb_id: str, rows: np.ndarray, lease: LeaseInfo
+    ) -> float | None:
+        """Run one micro-batch through the downstream stages until it returns once."""
+        assert self.compute is not None
+        tokens = TensorFrame.from_numpy(rows)
+        backoff = IDLE_WAIT_S
+        tried: set[str] = set()
+        while lease.lease_id not in self._fenced:
+            hidden = await self.worker.run(self.compute.forward, mb_id, rows, None)
+            assert isinstance(hidden, EncodedTensor)
+            reply = await self._send_forward(mb_id, tokens, hidden, [self.transport.peer_id], tried)
+            if reply is not None:
+                await self.worker.run(self.compute.backward, mb_id, rows, None, reply.grad)
+                self._account_bytes()
+                metrics.TOKENS.inc(rows.shape[0] * (rows.shape[1] - 1))
+                return reply.loss
+            await self.worker.run(self.compute.drop, mb_id)
+            metrics.MICROBATCHES.labels("retried").inc()
+            if self._draining.is_set() and not self._next_stage_peers():
+                return None
+            with trio.move_on_after(backoff):
+                await trio.sleep_forever()
+            backoff = min(backoff * 2, 8.0)
+            if len(tried) >= len(self._next_stage_peers()):
+                tried.clear()
+        return None
+
+    async def _send_forward(
+        self,
+        mb_id: str,
+        tokens: TensorFrame,
+        hidden: EncodedTensor,
+        route: list[str],
+        tried: set[str],
+    ) -> Backward | None:
+        """One attempt through one next-stage peer; None if it failed (the peer is banned)."""
+        peer = self.router.choose(self._next_stage_peers(), trio.current_time(), exclude=tried)
+        if peer is None:
+            return None
+        tried.add(peer)
+        info = self.members.get(peer)
+        msg = Forward(
+            mb_id=mb_id,
+            tokens=tokens,
+            hidden=hidden,
+            route=route,
+            deadline=time.time() + self.cfg.request_timeout_s,
+        )
+        self.router.started(peer)
+        metrics.IN_FLIGHT.inc()
+        t0 = trio.current_time()
+        try:
+            reply = await self.transport.request(
+                peer,
+                info.addrs if info else [],
+                FORWARD_PROTOCOL,
+                msg,
+                timeout=self.cfg.request_timeout_s,
+            )
+            if not isinstance(reply, Backward) or reply.mb_id != mb_id:
+                raise TransportError(f"peer {peer} answered {type(reply).__name__}", peer_id=peer)
+        except TransportError as exc:
+            ban = self.router.failed(peer, trio.current_time())
+            log.warning("node: %s failed via %s (%s); avoiding it for %.0fs", mb_id, peer, exc, ban)
+            return None
+        finally:
+            metrics.IN_FLIGHT.dec()
+        elapsed = trio.current_time() - t0
+        self.router.succeeded(peer, elapsed)
+        metrics.MB_SECONDS.observe(elapsed)
+        return reply
+
+    async def _commit(self, lease: LeaseInfo, progress: LeaseProgress) -> None:
+        point = progress.commit_point()
+        if point <= progress.committed or lease.lease_id in self._fenced:
+            return
+        try:
+            await self.client.call(
+                LeaseCommit(
+                    lease_id=lease.lease_id, epoch=lease.epoch, start=progress.committed, end=point
+                ),
+                expect=Message,
+            )
+        except CoordinatorError as exc:
+            if exc.code == "fenced":
+                log.warning("node: lease %d fenced at commit: %s", lease.lease_id, exc)
+                self._fenced.add(lease.lease_id)
+                self.leases.pop(lease.lease_id, None)
+                return
+            raise
+        metrics.COMMITTED.inc(point - progress.committed)
+        self.stats.tokens_committed += point - progress.committed
+        progress.accept(point)
+
+    async def _release(self, lease: LeaseInfo) -> None:
+        try:
+            await self.client.call(
+                LeaseRelease(lease_id=lease.lease_id, epoch=lease.epoch), expect=Message
+            )
+            log.info("node: released lease %d", lease.lease_id)
+        except (CoordinatorError, OSError) as exc:
+            log.warning("node: could not release lease %d: %s", lease.lease_id, exc)
+        self.leases.pop(lease.lease_id, None)
+
+    # --- stages > 0: serving ---------------------------------------------------------------
+
+    async def _serve_forward(self, peer_id: str, msg: Message) -> Message:
+        if not isinstance(msg, Forward):
+            raise ProtocolError(f"expected a forward message, got {type(msg).__name__}")
+        if self.compute is None or self.stage == 0:
+            raise ProtocolError("this peer serves stage 0, which takes no forward input")
+        rows = msg.tokens.to_numpy(expect_dtype="uint8", expect_shape=(None, None))
+        if not 1 <= rows.shape[0] <= MAX_ROWS or not 2 <= rows.shape[1] <= self._max_seq + 1:
+            raise ProtocolError(f"token block of shape {list(rows.shape)} is out of bounds")
+        if self.compute.is_last:
+            grad, loss = await self.worker.run(self.compute.forward, msg.mb_id, rows, msg.hidden)  # type: ignore[misc]
+            assert grad is not None
+            self._account_bytes()
+            metrics.TOKENS.inc(rows.shape[0] * (rows.shape[1] - 1))
+            return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=rows.size - rows.shape[0])
+        hidden = await self.worker.run(self.compute.forward, msg.mb_id, rows, msg.hidden)
+        assert isinstance(hidden, EncodedTensor)
+        route = [*msg.route, self.transport.peer_id]
+        tried: set[str] = set()
+        with trio.fail_after(max(0.0, msg.deadline - time.time())):
+            while (
+                reply := await self._send_forward(msg.mb_id, msg.tokens, hidden, route, tried)
+            ) is None:
+                await trio.sleep(IDLE_WAIT_S)
+                if len(tried) >= len(self._next_stage_peers()):
+                    tried.clear()
+        grad_in = await self.worker.run(
+            self.compute.backward, msg.mb_id, rows, msg.hidden, reply.grad
+        )
+        assert grad_in is not None
+        self._account_bytes()
+        return Backward(mb_id=msg.mb_id, grad=grad_in, loss=reply.loss, tokens=reply.tokens)
+
+    @property
+    def _max_seq(self) -> int:
+        assert self.compute is not None
+        return self.compute.model.config.max_seq_len
+
+    def _account_bytes(self) -> None:
+        """Move the codecs' byte counts into the Prometheus counters."""
+        assert self.compute is not None
+        counts = self.compute.bytes_counts()
+        for key, value in counts.items():
+            kind, direction = key.split("_")
+            metrics.BYTES.labels(direction, kind).inc(value - self._bytes_seen.get(key, 0))
+        self._bytes_seen = counts
+        wire = counts["wire_fwd"] + counts["wire_bwd"]
+        if wire:
+            metrics.COMPRESSION.set((counts["raw_fwd"] + counts["raw_bwd"]) / wire)
