@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -127,3 +128,26 @@ def test_frozen_replica_does_not_hold_the_other_and_is_rebased(
 
 def test_the_stage_side_never_loaded_hivemind() -> None:
     assert "hivemind" not in sys.modules
+
+
+def test_wire_codecs_round_trip_in_the_outer_interpreter(child_env: dict[str, str]) -> None:
+    """fp16 and 8-bit pseudo-gradients decode to within their codec's error (in a fresh
+    interpreter, since it imports hivemind)."""
+    code = (
+        "import torch\n"
+        "from hivemind.compression import CompressionInfo, Float16Compression, Uniform8BitQuantization\n"
+        "from node.outer.averager import decode_tensor\n"
+        "x = torch.randn(10000) * 1e-3\n"
+        "for codec, tol in ((Float16Compression(), 1e-3), (Uniform8BitQuantization(), 3e-2)):\n"
+        "    msg = codec.compress(x, CompressionInfo.from_tensor(x), allow_inplace=False)\n"
+        "    y = decode_tensor(msg)\n"
+        "    err = float((y - x).norm() / x.norm())\n"
+        "    assert y.shape == x.shape and err < tol, (codec, err)\n"
+        "    print(type(codec).__name__, len(msg.buffer), err)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    # 8-bit: int64 codebook size + 256 fp32 codebook entries + one byte per element
+    assert "Uniform8BitQuantization 11032" in out.stdout, out.stdout

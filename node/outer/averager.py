@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
 
+import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
@@ -36,6 +37,24 @@ from node.diloco import Contribution, DilocoConfig, aggregate
 log = logging.getLogger(__name__)
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+def decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
+    """`deserialize_torch_tensor`, except for hivemind 1.1.12's 8-bit codecs, whose `extract`
+    fails with numpy 2 (`int()` of a 1-element array); same byte layout: int64 codebook
+    size, fp32 codebook, uint8 indices."""
+    if msg.compression not in (runtime_pb2.UNIFORM_8BIT, runtime_pb2.QUANTILE_8BIT):
+        out: torch.Tensor = deserialize_torch_tensor(msg).detach()
+        return out
+    buf = msg.buffer
+    size = int(np.frombuffer(buf, count=1, dtype=np.int64)[0])
+    if not 0 < size <= 256 or len(buf) < 8 + 4 * size:
+        raise ValueError(f"bad 8-bit codebook size {size}")
+    codebook = torch.from_numpy(np.frombuffer(buf, offset=8, count=size, dtype=np.float32).copy())
+    idx = torch.from_numpy(np.frombuffer(buf, offset=8 + 4 * size, dtype=np.uint8).copy()).long()
+    if bool((idx >= size).any()):
+        raise ValueError("8-bit index outside the codebook")
+    return codebook[idx].reshape(tuple(msg.size)).to(getattr(torch, msg.dtype))
 
 
 class _Exchange:
@@ -136,7 +155,7 @@ class StageAverager(DecentralizedAverager):  # type: ignore[misc]
                         )
                 for task in tasks:
                     task.cancel()
-                own = deserialize_torch_tensor(serialized)  # what the others decoded
+                own = decode_tensor(serialized)  # what the others decoded
                 received = dict(ex.received)
                 received[self.peer_id] = own
                 head = max(int(g["round"]) for g in gathered.values())
@@ -198,7 +217,7 @@ class StageAverager(DecentralizedAverager):  # type: ignore[misc]
     def _accept(self, ex: _Exchange, peer: PeerID, parts: list[runtime_pb2.Tensor]) -> None:
         if not parts:
             raise ValueError(f"{peer} sent no tensor parts")
-        tensor = deserialize_torch_tensor(combine_from_streaming(parts)).detach()
+        tensor = decode_tensor(combine_from_streaming(parts))
         mine = self._averaged_tensors[0]
         if tensor.shape != mine.shape or tensor.dtype != mine.dtype:
             raise ValueError(
