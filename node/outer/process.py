@@ -15,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,6 +124,9 @@ class OuterProcess:
                 else:
                     raise ValueError(f"unknown command {op!r}")
         finally:
+            # the link unlinks these too; doing it here covers a stage process that died
+            for path in (init["snap"], init["result"]):
+                Path(path).unlink(missing_ok=True)
             self.averager.shutdown()
             self.dht.shutdown()
         return 0
