@@ -1,12 +1,143 @@
-"""`agora-coordinator`: run the control plane."""
+"""`agora-coordinator`: run the control plane (membership, placement, DARL leases).
+
+Prints `agora-coordinator listening on HOST:PORT` once it serves (and writes the port to
+`--port-file`), so scripts can start it with `--port 0`.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
+import signal
 import sys
+from pathlib import Path
+
+from coordinator.config import CoordinatorConfig, load_config
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.server import CoordinatorServer
+from coordinator.store import SQLiteStore
+from protocol.corpus import Manifest, build_manifest, read_user_dataset, stdlib_corpus
+
+log = logging.getLogger("coordinator")
+
+
+def load_dataset(cfg: CoordinatorConfig) -> tuple[Manifest, bytes]:
+    if cfg.dataset == "stdlib":
+        data, name = stdlib_corpus(), "stdlib"
+    else:
+        path = Path(cfg.dataset)
+        data, name = read_user_dataset(path), path.name
+    manifest = build_manifest(
+        data, name=name, shard_tokens=cfg.shard_tokens, heldout_every=cfg.heldout_every
+    )
+    return manifest, data
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="agora-coordinator",
+        description="Run an Agora coordinator: membership, stage placement, DARL data leases"
+        " and the shard server, durable in SQLite. Without --config it runs a local default"
+        " (embedded stdlib corpus, preset 'small', 2 stages, codec subspace_int8). Flags"
+        " override the config file. Secrets can come from AGORA_JOIN_TOKEN and"
+        " AGORA_ADMIN_TOKEN.",
+    )
+    p.add_argument("--config", type=Path, help="run.toml with the run configuration")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port; 0 lets the OS choose (default 7700)")
+    p.add_argument("--port-file", help="write the bound port to this file")
+    p.add_argument("--db", help="SQLite database file (default coordinator.sqlite)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--prometheus-sd", help="write a Prometheus file-SD JSON of node endpoints")
+    p.add_argument("--auth", choices=("open", "token", "allowlist"), help="join policy")
+    p.add_argument("--run-id", help="run name")
+    p.add_argument("--n-stages", type=int, help="pipeline stages")
+    p.add_argument("--dataset", help="'stdlib', a directory of text files, or a .jsonl file")
+    p.add_argument("--shard-tokens", type=int, help="tokens per shard")
+    p.add_argument("--lease-ttl", dest="lease_ttl_s", type=float, help="lease/peer TTL, s")
+    p.add_argument(
+        "--heartbeat-interval", dest="heartbeat_interval_s", type=float, help="heartbeat, s"
+    )
+    p.add_argument("--sync", choices=("full", "normal"), help="SQLite durability level")
+    p.add_argument("--max-connections", type=int, help="concurrent connection limit")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return p.parse_args(argv)
+
+
+async def serve(cfg: CoordinatorConfig) -> int:
+    manifest, corpus = await asyncio.to_thread(load_dataset, cfg)
+    metrics = CoordinatorMetrics()
+    store = SQLiteStore(cfg.db, sync=cfg.sync)
+    server = CoordinatorServer(cfg, store=store, manifest=manifest, corpus=corpus, metrics=metrics)
+    port = await server.start()
+    if cfg.metrics_port is not None:
+        mport = metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        print(f"agora-coordinator metrics on {cfg.metrics_host}:{mport}", flush=True)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.stop)
+    if cfg.port_file:
+        Path(cfg.port_file).write_text(f"{port}\n")
+    log.info(
+        "run %s: %d stages, dataset %s (%d training shards, %d tokens), db %s",
+        cfg.run_id,
+        cfg.n_stages,
+        manifest.name,
+        len(manifest.train),
+        manifest.total_tokens,
+        cfg.db,
+    )
+    print(f"agora-coordinator listening on {cfg.host}:{port}", flush=True)
+    await server.wait_stopped()
+    failed = server.commits.failed
+    log.info("shutting down")
+    await server.close()
+    return 1 if failed is not None else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(
-        "agora-coordinator: not yet available (the coordinator issue delivers it)", file=sys.stderr
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
-    return 2
+    overrides = {
+        k: getattr(args, k)
+        for k in (
+            "host",
+            "port",
+            "port_file",
+            "db",
+            "metrics_port",
+            "prometheus_sd",
+            "auth",
+            "run_id",
+            "n_stages",
+            "dataset",
+            "shard_tokens",
+            "lease_ttl_s",
+            "heartbeat_interval_s",
+            "sync",
+            "max_connections",
+        )
+    }
+    try:
+        cfg = load_config(args.config, overrides)
+    except (OSError, ValueError) as exc:
+        print(f"agora-coordinator: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        return uvloop.run(serve(cfg))
+    except ValueError as exc:
+        print(f"agora-coordinator: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

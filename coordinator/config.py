@@ -1,0 +1,140 @@
+"""The coordinator's run configuration: a dataclass loaded from TOML, then CLI overrides.
+
+Secrets (`join_token`, `admin_token`) may come from the environment instead
+(`AGORA_JOIN_TOKEN`, `AGORA_ADMIN_TOKEN`) so they stay off command lines; they are
+never printed (`repr=False`).
+
+Example `run.toml` (every key optional; flat, or under a `[coordinator]` table):
+
+    run_id = "stdlib-small"
+    model_preset = "small"
+    n_stages = 2
+    dataset = "stdlib"          # or a directory of text files, or a .jsonl file
+    lease_ttl_s = 15.0
+    heartbeat_interval_s = 3.0
+    auth = "token"              # open | token | allowlist
+    join_token = "..."
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+AUTH_MODES = ("open", "token", "allowlist")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CoordinatorConfig:
+    # run
+    run_id: str = "agora-run"  # name of the run
+    model_preset: str = "small"  # model preset the nodes build
+    n_stages: int = 2  # pipeline stages
+    codec: str = "subspace_int8"  # activation codec id
+    seed: int = 0  # run seed
+    stage_costs: list[float] | None = None  # relative compute per stage (default all 1.0)
+    # dataset
+    dataset: str = "stdlib"  # "stdlib" (embedded corpus), a directory, or a .jsonl file
+    shard_tokens: int = 1 << 18  # tokens per shard
+    heldout_every: int = 16  # every n-th shard is held out
+    # network
+    host: str = "127.0.0.1"  # listen address
+    port: int = 7700  # listen port (0 = OS-chosen)
+    port_file: str | None = None  # write the bound port here
+    metrics_port: int | None = None  # Prometheus port (0 = OS-chosen, None = off)
+    metrics_host: str = "127.0.0.1"  # Prometheus listen address
+    prometheus_sd: str | None = None  # file-SD JSON listing node metrics endpoints
+    # storage
+    db: str = "coordinator.sqlite"  # SQLite file (WAL mode)
+    sync: str = "full"  # "full": fsync every group commit; "normal": survive process kill
+    # membership and leases
+    heartbeat_interval_s: float = 3.0  # seconds between node heartbeats
+    lease_ttl_s: float = 15.0  # seconds without heartbeat before a peer/lease lapses
+    sweep_interval_s: float = 0.5  # seconds between expiry sweeps
+    max_leases_per_peer: int = 2  # active leases one peer may hold
+    grant_tokens: int | None = None  # cap on a granted range (None = rest of the shard)
+    min_grant_tokens: int = 1024  # smallest range worth granting before a deadline
+    deadline_margin_s: float = 60.0  # seconds kept free before a node's deadline
+    rebalance_ratio: float = 0.5  # move a peer when a stage's rate < ratio * strongest's
+    rebalance_interval_s: float = 30.0  # seconds between rebalance checks
+    # security and limits
+    auth: str = "open"  # open | token | allowlist
+    join_token: str = dataclasses.field(default="", repr=False)  # for auth = "token"
+    allowlist: list[str] = dataclasses.field(default_factory=list)  # peer ids (allowlist)
+    admin_token: str = dataclasses.field(default="", repr=False)  # empty: admin calls off
+    max_frame_bytes: int = 8 << 20  # bytes per frame
+    max_connections: int = 20_000  # concurrent connections
+    idle_timeout_s: float = 300.0  # seconds a silent connection stays open
+    rate_per_peer: float = 50.0  # sustained requests/s per key
+    rate_burst: float = 200.0  # request burst per key
+    clock_skew_s: float = 60.0  # seconds of signature timestamp tolerance
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def costs(self) -> list[float]:
+        return list(self.stage_costs) if self.stage_costs else [1.0] * self.n_stages
+
+    def validate(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid coordinator config: {what}")
+
+        need(self.n_stages >= 1, f"n_stages must be >= 1, got {self.n_stages}")
+        need(
+            self.stage_costs is None
+            or (len(self.stage_costs) == self.n_stages and min(self.stage_costs) > 0),
+            f"stage_costs needs {self.n_stages} positive numbers, got {self.stage_costs}",
+        )
+        need(self.auth in AUTH_MODES, f"auth must be one of {AUTH_MODES}, got {self.auth!r}")
+        need(self.auth != "token" or bool(self.join_token), "auth = 'token' needs a join_token")
+        need(
+            self.auth != "allowlist" or bool(self.allowlist),
+            "auth = 'allowlist' needs a non-empty allowlist",
+        )
+        need(self.sync in ("full", "normal"), f"sync must be 'full' or 'normal': {self.sync!r}")
+        need(self.heartbeat_interval_s > 0, "heartbeat_interval_s must be > 0")
+        need(
+            self.lease_ttl_s >= 2 * self.heartbeat_interval_s,
+            f"lease_ttl_s ({self.lease_ttl_s}) must be at least twice heartbeat_interval_s"
+            f" ({self.heartbeat_interval_s}) so one lost heartbeat does not kill a peer",
+        )
+        need(0 < self.sweep_interval_s <= self.lease_ttl_s, "0 < sweep_interval_s <= lease_ttl_s")
+        need(0 <= self.port <= 65535, f"port out of range: {self.port}")
+        need(
+            self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+            f"metrics_port out of range: {self.metrics_port}",
+        )
+        need(self.shard_tokens >= 1 and self.heldout_every >= 2, "shard_tokens/heldout_every")
+        need(self.max_leases_per_peer >= 1, "max_leases_per_peer must be >= 1")
+        need(self.grant_tokens is None or self.grant_tokens >= 1, "grant_tokens must be >= 1")
+        need(0 < self.rebalance_ratio <= 1, "rebalance_ratio must be in (0, 1]")
+        need(self.max_frame_bytes >= 4096, "max_frame_bytes must be >= 4096")
+        need(
+            self.max_frame_bytes >= self.shard_tokens + 4096,
+            f"max_frame_bytes ({self.max_frame_bytes}) must exceed shard_tokens"
+            f" ({self.shard_tokens}) so a shard fits one frame",
+        )
+        need(self.max_connections >= 1, "max_connections must be >= 1")
+        need(self.rate_per_peer > 0 and self.rate_burst >= 1, "rate_per_peer/rate_burst")
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> CoordinatorConfig:
+    """TOML file (optional) < environment secrets < CLI overrides (None values ignored)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+        values.update(data.get("coordinator", data))
+    for key, env in (("join_token", "AGORA_JOIN_TOKEN"), ("admin_token", "AGORA_ADMIN_TOKEN")):
+        if os.environ.get(env):
+            values[key] = os.environ[env]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name for f in dataclasses.fields(CoordinatorConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown coordinator config keys: {', '.join(unknown)}")
+    return CoordinatorConfig(**values)

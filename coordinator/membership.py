@@ -1,0 +1,251 @@
+"""Membership and stage placement: the versioned view of live peers. Pure, no clock.
+
+- `join` places a peer on the stage whose aggregate throughput relative to its cost is
+  lowest (ties: fewest peers, then lowest index), unless the peer asked for a stage.
+- A heartbeat (`renew`) extends the peer's expiry to now + TTL; `expire_due` removes
+  peers whose TTL lapsed. Joins, leaves, lapses, bans and moves bump the version and
+  are logged, so `delta(since)` can answer "what changed since version v".
+- `rebalance` moves one peer when the weakest stage's throughput/cost falls below
+  `ratio` times the strongest's (and the strongest stage has a peer to spare).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from coordinator.journal import Journal
+from protocol.control import MembershipReply, PeerInfo
+
+LIVE, LEFT, DEAD, BANNED = "live", "left", "dead", "banned"
+MLOG_KEEP = 100_000  # membership changes kept for deltas
+MIN_RATE = 1.0  # tokens/s counted for a peer that reported none
+
+
+@dataclasses.dataclass(slots=True)
+class Peer:
+    peer_id: str
+    public_key: bytes
+    stage: int
+    addrs: list[str]
+    device: str
+    throughput: float  # tokens/s
+    deadline: float | None  # unix seconds
+    metrics_host: str | None
+    metrics_port: int | None
+    fixed_stage: bool
+    joined_at: float  # unix seconds
+    expires_at: float  # unix seconds
+    state: str = LIVE
+    drain: bool = False
+    moved: bool = False  # not persisted: reported once in the next heartbeat reply
+
+    def row(self) -> tuple[Any, ...]:
+        return (
+            self.peer_id,
+            self.public_key,
+            self.stage,
+            json.dumps(self.addrs),
+            self.device,
+            self.throughput,
+            self.deadline,
+            self.metrics_host,
+            self.metrics_port,
+            int(self.fixed_stage),
+            self.joined_at,
+            self.expires_at,
+            self.state,
+            int(self.drain),
+        )
+
+    @classmethod
+    def from_row(cls, r: tuple[Any, ...]) -> Peer:
+        (pid, pk, stage, addrs, device, thr, dl, mh, mp, fixed, joined, exp, state, drain) = r
+        return cls(
+            pid,
+            bytes(pk),
+            int(stage),
+            list(json.loads(addrs)),
+            device,
+            float(thr),
+            dl,
+            mh,
+            mp,
+            bool(fixed),
+            float(joined),
+            float(exp),
+            state,
+            bool(drain),
+        )
+
+    def info(self) -> PeerInfo:
+        return PeerInfo(
+            peer_id=self.peer_id,
+            stage=self.stage,
+            addrs=self.addrs,
+            device=self.device,
+            throughput=self.throughput,
+            deadline=self.deadline,
+        )
+
+
+class Membership:
+    def __init__(
+        self,
+        *,
+        n_stages: int,
+        stage_costs: list[float],
+        ttl_s: float,
+        journal: Journal,
+        version: int = 0,
+        peers: Iterable[Peer] = (),
+        mlog: Iterable[tuple[int, str, str]] = (),
+    ) -> None:
+        if len(stage_costs) != n_stages:
+            raise ValueError(f"{len(stage_costs)} stage costs for {n_stages} stages")
+        self.n_stages = n_stages
+        self.stage_costs = stage_costs
+        self.ttl_s = ttl_s  # seconds
+        self.journal = journal
+        self.version = version
+        # live peers ordered by expiry (TTL is uniform, so renewal moves a peer to the end)
+        self.live: collections.OrderedDict[str, Peer] = collections.OrderedDict()
+        self.banned: set[str] = set()
+        for p in sorted(peers, key=lambda p: p.expires_at):
+            if p.state == LIVE:
+                self.live[p.peer_id] = p
+            elif p.state == BANNED:
+                self.banned.add(p.peer_id)
+        self._log_versions: list[int] = []
+        self._log: list[tuple[str, str]] = []
+        for v, pid, change in mlog:
+            self._log_versions.append(v)
+            self._log.append((pid, change))
+        self.joins_total = 0
+        self.leaves_total: dict[str, int] = collections.defaultdict(int)
+
+    # -- placement ----------------------------------------------------------------------
+
+    def stage_rates(self) -> list[float]:
+        """Aggregate throughput / cost per stage."""
+        sums = [0.0] * self.n_stages
+        for p in self.live.values():
+            sums[p.stage] += max(p.throughput, MIN_RATE)
+        return [s / c for s, c in zip(sums, self.stage_costs, strict=True)]
+
+    def stage_counts(self) -> list[int]:
+        counts = [0] * self.n_stages
+        for p in self.live.values():
+            counts[p.stage] += 1
+        return counts
+
+    def place(self) -> int:
+        rates, counts = self.stage_rates(), self.stage_counts()
+        return min(range(self.n_stages), key=lambda s: (rates[s], counts[s], s))
+
+    def rebalance(self, ratio: float, busy: Callable[[str], bool]) -> Peer | None:
+        """Move one peer from the strongest to the weakest stage if that stage is clearly
+        behind (rate < ratio * strongest). Peers with a fixed stage, draining peers and
+        peers for which `busy(peer_id)` is true (e.g. lease holders) stay put."""
+        if self.n_stages < 2:
+            return None
+        rates, counts = self.stage_rates(), self.stage_counts()
+        lo = min(range(self.n_stages), key=lambda s: (rates[s], s))
+        hi = max(range(self.n_stages), key=lambda s: (rates[s], -s))
+        if counts[hi] < 2 or rates[lo] >= ratio * rates[hi]:
+            return None
+        c_lo, c_hi = self.stage_costs[lo], self.stage_costs[hi]
+        best: tuple[float, Peer] | None = None
+        for p in self.live.values():
+            if p.stage != hi or p.fixed_stage or p.drain or busy(p.peer_id):
+                continue
+            t = max(p.throughput, MIN_RATE)
+            new_lo, new_hi = rates[lo] + t / c_lo, rates[hi] - t / c_hi
+            if min(new_lo, new_hi) <= rates[lo]:
+                continue  # the move would not lift the weakest stage
+            gap = abs(new_hi - new_lo)
+            if best is None or gap < best[0]:
+                best = (gap, p)
+        if best is None:
+            return None
+        peer = best[1]
+        peer.stage, peer.moved = lo, True
+        self._change(peer, "move")
+        return peer
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def join(self, peer: Peer) -> Peer:
+        self.live.pop(peer.peer_id, None)
+        self.live[peer.peer_id] = peer
+        self.joins_total += 1
+        self._change(peer, "join")
+        return peer
+
+    def renew(self, peer_id: str, now: float, throughput: float | None) -> Peer | None:
+        peer = self.live.get(peer_id)
+        if peer is None:
+            return None
+        peer.expires_at = now + self.ttl_s
+        if throughput is not None:
+            peer.throughput = throughput
+        self.live.move_to_end(peer_id)
+        self.journal.peers[peer_id] = peer
+        return peer
+
+    def remove(self, peer_id: str, state: str) -> Peer | None:
+        """Take a peer out of the view: `left`, `dead` (TTL lapsed) or `banned`."""
+        peer = self.live.pop(peer_id, None)
+        if state == BANNED:
+            self.banned.add(peer_id)
+        if peer is None:
+            return None
+        peer.state = state
+        self.leaves_total[state] += 1
+        self._change(peer, state)
+        return peer
+
+    def expire_due(self, now: float) -> list[Peer]:
+        out = []
+        while self.live:
+            peer = next(iter(self.live.values()))
+            if peer.expires_at > now:
+                break
+            self.remove(peer.peer_id, DEAD)
+            out.append(peer)
+        return out
+
+    # -- views --------------------------------------------------------------------------
+
+    def delta(self, since: int, stage: int | None = None) -> MembershipReply:
+        def wanted(p: Peer) -> bool:
+            return stage is None or p.stage == stage
+
+        first = self._log_versions[0] if self._log_versions else self.version + 1
+        if since == 0 or since + 1 < first or since > self.version:
+            peers = [p.info() for p in self.live.values() if wanted(p)]
+            return MembershipReply(version=self.version, full=True, peers=peers)
+        i = bisect.bisect_right(self._log_versions, since)
+        changed = dict.fromkeys(pid for pid, _ in self._log[i:])
+        joined, left = [], []
+        for pid in changed:
+            p = self.live.get(pid)
+            if p is not None and wanted(p):
+                joined.append(p.info())
+            else:
+                left.append(pid)
+        return MembershipReply(version=self.version, full=False, peers=joined, left=left)
+
+    def _change(self, peer: Peer, change: str) -> None:
+        self.version += 1
+        self._log_versions.append(self.version)
+        self._log.append((peer.peer_id, change))
+        if len(self._log) > 2 * MLOG_KEEP:
+            del self._log_versions[:MLOG_KEEP], self._log[:MLOG_KEEP]
+        self.journal.peers[peer.peer_id] = peer
+        self.journal.mlog.append((self.version, peer.peer_id, change))
+        self.journal.meta["membership_version"] = str(self.version)

@@ -1,0 +1,327 @@
+"""The asyncio control-plane server: connections, group commit, sweeps, restart.
+
+- Each connection reads frames, answers them in order through `Service.handle`, waits
+  until the changes they made are durable (group commit), then writes the replies.
+  Requests on one connection may be pipelined.
+- `GroupCommit` writes the journal in one SQLite transaction per cycle on a dedicated
+  writer thread; everything changed while a write is in flight goes in the next one.
+  A failed write stops the server (fail-stop: memory and disk must never disagree).
+- The sweeper expires lapsed peers and leases, rebalances stages, refreshes gauges and
+  the Prometheus file-SD, and kicks the group commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from pathlib import Path
+
+from coordinator.config import CoordinatorConfig
+from coordinator.journal import Journal
+from coordinator.leases import LeaseBook, Shard, restore_book
+from coordinator.membership import Membership, Peer
+from coordinator.metrics import CoordinatorMetrics, write_file_sd
+from coordinator.service import BadFrame, Service
+from coordinator.store import Store
+from protocol.control import ErrorReply, HeartbeatRequest
+from protocol.corpus import Manifest
+from protocol.errors import ProtocolError
+from protocol.framing import FrameDecoder, frame_message
+
+log = logging.getLogger(__name__)
+
+
+class StoreFailed(RuntimeError):
+    pass
+
+
+class GroupCommit:
+    def __init__(self, journal: Journal, store: Store, metrics: CoordinatorMetrics) -> None:
+        self.journal = journal
+        self.store = store
+        self.metrics = metrics
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sqlite")
+        self._open: asyncio.Future[None] | None = None
+        self._inflight: asyncio.Future[None] | None = None
+        self._wake = asyncio.Event()
+        self.failed: BaseException | None = None
+
+    def kick(self) -> None:
+        if self.journal:
+            self._wake.set()
+
+    async def durable(self) -> None:
+        """Return once every change made so far is on disk."""
+        if self.failed is not None:
+            raise StoreFailed(str(self.failed))
+        if self.journal:
+            if self._open is None:
+                self._open = asyncio.get_running_loop().create_future()
+            self._wake.set()
+            await asyncio.shield(self._open)
+        elif self._inflight is not None:
+            await asyncio.shield(self._inflight)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self.journal:
+                continue
+            fut = self._open or loop.create_future()
+            self._open = None
+            self._inflight = fut
+            batch = self.journal.take()
+            t0 = time.perf_counter()
+            try:
+                await loop.run_in_executor(self._executor, self.store.write, batch)
+            except BaseException as exc:
+                self.failed = exc
+                fut.set_exception(StoreFailed(f"durable write failed: {exc}"))
+                fut.exception()  # mark retrieved
+                raise
+            self.metrics.group_commits.inc()
+            self.metrics.group_commit_seconds.observe(time.perf_counter() - t0)
+            fut.set_result(None)
+            if self._inflight is fut:
+                self._inflight = None
+
+    async def flush(self) -> None:
+        """Write whatever is left (shutdown)."""
+        if self.journal and self.failed is None:
+            batch = self.journal.take()
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.store.write, batch
+            )
+        self._executor.shutdown(wait=True)
+
+
+def build_state(
+    cfg: CoordinatorConfig, store: Store, manifest: Manifest, now: float
+) -> tuple[Journal, Membership, LeaseBook, bool]:
+    """Load state from the store, or initialise a fresh run from the manifest."""
+    journal = Journal()
+    snap = store.load()
+    if snap.shards:
+        stored = snap.meta.get("dataset_hash")
+        if stored != manifest.content_hash:
+            raise ValueError(
+                f"database {cfg.db} belongs to dataset {stored}, but the configured dataset"
+                f" hashes to {manifest.content_hash}; use another --db"
+            )
+        book = restore_book(
+            snap.shards, snap.leases, snap.meta, journal=journal, ttl_s=cfg.lease_ttl_s
+        )
+    else:
+        shards = [Shard(shard_id=s.shard_id, tokens=s.tokens) for s in manifest.train]
+        book = LeaseBook(shards, journal=journal, ttl_s=cfg.lease_ttl_s)
+        for s in book.shards.values():
+            journal.shards[s.shard_id] = s
+        journal.meta.update(
+            {"dataset_hash": manifest.content_hash, "run_id": cfg.run_id, "data_epoch": "0"}
+        )
+    membership = Membership(
+        n_stages=cfg.n_stages,
+        stage_costs=cfg.costs(),
+        ttl_s=cfg.lease_ttl_s,
+        journal=journal,
+        version=int(snap.meta.get("membership_version", "0")),
+        peers=[Peer.from_row(r) for r in snap.peers],
+        mlog=snap.mlog,
+    )
+    for p in list(membership.live.values()):
+        if p.stage >= cfg.n_stages:  # n_stages shrank between runs
+            p.stage = membership.place()
+    paused = snap.meta.get("paused") == "1"
+    return journal, membership, book, paused
+
+
+class CoordinatorServer:
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        *,
+        store: Store,
+        manifest: Manifest,
+        corpus: bytes,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or CoordinatorMetrics()
+        journal, membership, book, paused = build_state(cfg, store, manifest, time.time())
+        self.service = Service(
+            cfg,
+            manifest=manifest,
+            corpus=corpus,
+            journal=journal,
+            membership=membership,
+            book=book,
+            metrics=self.metrics,
+            paused=paused,
+        )
+        self.commits = GroupCommit(journal, store, self.metrics)
+        self.store = store
+        self.connections = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = asyncio.Event()
+        self._sd_version = -1
+
+    async def start(self) -> int:
+        self.service.expire(time.time())  # leases and peers that lapsed while we were down
+        self._server = await asyncio.start_server(
+            self._client, self.cfg.host, self.cfg.port, limit=self.cfg.max_frame_bytes, backlog=4096
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        for coro in (self.commits.run(), self._sweeper()):
+            task = asyncio.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+        await self.commits.durable()
+        return self.port
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.critical("coordinator task failed, stopping: %r", task.exception())
+            self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.commits.flush()
+        finally:
+            self.store.close()
+
+    # -- background ---------------------------------------------------------------------
+
+    async def _sweeper(self) -> None:
+        last_rebalance = time.monotonic()
+        while True:
+            await asyncio.sleep(self.cfg.sweep_interval_s)
+            now = time.time()
+            svc = self.service
+            svc.expire(now)
+            if time.monotonic() - last_rebalance >= self.cfg.rebalance_interval_s:
+                last_rebalance = time.monotonic()
+                svc.rebalance()
+            svc.sample_progress(now)
+            svc.limiter.prune(now)
+            self._refresh_gauges()
+            if self.cfg.prometheus_sd and svc.membership.version != self._sd_version:
+                self._sd_version = svc.membership.version
+                self._write_sd()
+            self.commits.kick()
+
+    def _refresh_gauges(self) -> None:
+        m, svc = self.metrics, self.service
+        counts = svc.membership.stage_counts()
+        rates = svc.membership.stage_rates()
+        for s in range(self.cfg.n_stages):
+            m.peers.labels(str(s)).set(counts[s])
+            m.stage_throughput.labels(str(s)).set(rates[s] * svc.membership.stage_costs[s])
+        for state, n in svc.book.counts().items():
+            m.leases.labels(state).set(n)
+        m.active_leases.set(len(svc.book.active))
+        m.data_epoch.set(svc.book.data_epoch)
+        m.membership_version.set(svc.membership.version)
+        m.connections.set(self.connections)
+
+    def _write_sd(self) -> None:
+        by_stage: dict[int, list[str]] = {}
+        for p in self.service.membership.live.values():
+            if p.metrics_port and p.metrics_host:
+                host = f"[{p.metrics_host}]" if ":" in p.metrics_host else p.metrics_host
+                by_stage.setdefault(p.stage, []).append(f"{host}:{p.metrics_port}")
+        try:
+            write_file_sd(Path(str(self.cfg.prometheus_sd)), self.cfg.run_id, by_stage)
+        except OSError as exc:
+            log.warning("cannot write Prometheus file-SD %s: %s", self.cfg.prometheus_sd, exc)
+
+    # -- connections --------------------------------------------------------------------
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= self.cfg.max_connections:
+            self.metrics.rejected_connections.inc()
+            try:
+                writer.write(frame_message(ErrorReply(code="too_busy", detail="connection limit")))
+                writer.close()
+            except (OSError, RuntimeError):
+                pass
+            return
+        self.connections += 1
+        peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        try:
+            await self._serve(reader, writer, host)
+        except (OSError, asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        except StoreFailed:
+            pass
+        finally:
+            self.connections -= 1
+            writer.close()
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str
+    ) -> None:
+        decoder = FrameDecoder(max_frame=self.cfg.max_frame_bytes)
+        svc, m = self.service, self.metrics
+        while True:
+            data = await asyncio.wait_for(reader.read(1 << 16), self.cfg.idle_timeout_s)
+            if not data:
+                return
+            close = False
+            try:
+                payloads = decoder.feed(data)
+            except ProtocolError as exc:
+                m.bad_frames.inc()
+                payloads, close = [], True
+                bad = ErrorReply(code="bad_frame", detail=str(exc)[:512])
+            replies: list[bytes] = []
+            timings: list[tuple[str, float]] = []
+            for payload in payloads:
+                t0 = time.perf_counter()
+                try:
+                    method, reply = svc.handle(payload, host, time.time())
+                except BadFrame as exc:
+                    m.bad_frames.inc()
+                    replies.append(
+                        frame_message(ErrorReply(code="bad_frame", detail=str(exc)[:512]))
+                    )
+                    close = True
+                    break
+                if isinstance(reply, ErrorReply):
+                    m.errors.labels(reply.code).inc()
+                try:
+                    replies.append(frame_message(reply, max_frame=self.cfg.max_frame_bytes))
+                except ProtocolError as exc:
+                    err = ErrorReply(code="internal", detail=f"reply too large: {exc}")
+                    replies.append(frame_message(err))
+                timings.append((method, t0))
+            if close and not payloads:
+                replies.append(frame_message(bad))
+            await self.commits.durable()
+            writer.write(b"".join(replies))
+            await writer.drain()
+            t1 = time.perf_counter()
+            for method, t0 in timings:
+                if method == HeartbeatRequest.TYPE:
+                    m.heartbeat_latency.observe(t1 - t0)
+                m.rpc_latency.labels(method).observe(t1 - t0)
+            if close:
+                return

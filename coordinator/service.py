@@ -1,0 +1,422 @@
+"""Request handling: verify a signed frame, check auth and rate, and apply it to the
+membership and the lease book. Synchronous and clock-free (the caller passes `now`), so
+the asyncio server stays a thin shell. Every state change lands in the shared journal;
+the server writes it durably before sending the reply this returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+from coordinator.journal import Journal
+from coordinator.leases import LeaseBook, LeaseError
+from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
+from coordinator.metrics import CoordinatorMetrics
+from protocol import control as c
+from protocol.codec import decode
+from protocol.corpus import Manifest, ShardInfo
+from protocol.errors import ProtocolError
+from protocol.identity import peer_id_from_public_key, verify_signature
+from protocol.message import Message
+from protocol.signing import ReplayGuard, SignedRequest, _signed_bytes
+
+log = logging.getLogger(__name__)
+
+
+class BadFrame(Exception):
+    """The frame is not a decodable signed request; the connection gets closed."""
+
+
+class RateLimiter:
+    """Token bucket per key; idle buckets are dropped by `prune`."""
+
+    __slots__ = ("_buckets", "burst", "rate")
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst  # requests/s, requests
+        self._buckets: dict[bytes, list[float]] = {}
+
+    def allow(self, key: bytes, now: float) -> bool:
+        b = self._buckets.get(key)
+        if b is None:
+            self._buckets[key] = [self.burst - 1, now]
+            return True
+        tokens = min(self.burst, b[0] + (now - b[1]) * self.rate)
+        b[1] = now
+        if tokens < 1:
+            b[0] = tokens
+            return False
+        b[0] = tokens - 1
+        return True
+
+    def prune(self, now: float) -> None:
+        full = self.burst / self.rate
+        self._buckets = {k: b for k, b in self._buckets.items() if now - b[1] < full}
+
+
+def _err(code: str, detail: str) -> c.ErrorReply:
+    return c.ErrorReply(code=code, detail=detail[:1024])
+
+
+class Service:
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        *,
+        manifest: Manifest,
+        corpus: bytes,
+        journal: Journal,
+        membership: Membership,
+        book: LeaseBook,
+        metrics: CoordinatorMetrics,
+        paused: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.manifest = manifest
+        self.corpus = corpus
+        self.journal = journal
+        self.membership = membership
+        self.book = book
+        self.metrics = metrics
+        self.paused = paused
+        self.started = time.time()
+        self.guard = ReplayGuard(skew_s=cfg.clock_skew_s)
+        self.limiter = RateLimiter(cfg.rate_per_peer, cfg.rate_burst)
+        self.allowlist = set(cfg.allowlist)
+        self.shards: dict[int, ShardInfo] = {s.shard_id: s for s in manifest.train}
+        self.shards.update({s.shard_id: s for s in manifest.heldout})
+        self.progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=120)
+        self.committed_total = 0  # tokens committed since start (for the rate estimate)
+        self._handlers: dict[type[Message], Callable[..., Message]] = {
+            c.HeartbeatRequest: self._heartbeat,
+            c.MembershipRequest: self._membership,
+            c.ManifestRequest: self._manifest,
+            c.LeaseAcquire: self._acquire,
+            c.LeaseCommit: self._commit,
+            c.LeaseComplete: self._complete,
+            c.LeaseRelease: self._release,
+            c.ShardFetch: self._shard,
+            c.LeaveRequest: self._leave,
+        }
+        self._admin: dict[type[Message], Callable[..., Message]] = {
+            c.AdminDrain: self._drain,
+            c.AdminBan: self._ban,
+            c.AdminPause: self._pause,
+        }
+
+    # -- entry point --------------------------------------------------------------------
+
+    def handle(self, payload: bytes, host: str, now: float) -> tuple[str, Message]:
+        """Answer one frame payload; returns (method name, reply). Raises `BadFrame`."""
+        try:
+            req = decode(payload, max_size=self.cfg.max_frame_bytes)
+        except ProtocolError as exc:
+            raise BadFrame(str(exc)) from exc
+        if not isinstance(req, SignedRequest):
+            raise BadFrame(f"expected a signed request, got {req.TYPE!r}")
+        try:
+            verify_signature(req.key, req.sig, _signed(req))
+        except ProtocolError:
+            return "unknown", _err("bad_signature", "signature does not verify")
+        try:
+            self.guard.check(req.key, req.nonce, req.ts, now)
+        except ProtocolError as exc:
+            return "unknown", _err("replay", str(exc))
+        try:
+            body = decode(req.body, max_size=self.cfg.max_frame_bytes)
+        except ProtocolError as exc:
+            return "unknown", _err("bad_request", str(exc))
+        method = body.TYPE
+        if not self.limiter.allow(req.key, now):
+            return method, _err("rate_limited", "too many requests from this key; back off")
+        try:
+            return method, self._dispatch(req.key, body, host, now)
+        except LeaseError as exc:
+            if exc.code == "fenced":
+                self.metrics.fenced.inc()
+            return method, _err(exc.code, exc.detail)
+        except Exception:  # a bug must not take the server down
+            log.exception("internal error handling %s", method)
+            return method, _err("internal", f"internal error handling {method}")
+
+    def _dispatch(self, key: bytes, body: Message, host: str, now: float) -> Message:
+        if isinstance(body, c.StatusRequest):
+            return self.status(now)
+        peer_id = peer_id_from_public_key(key)
+        if isinstance(body, c.JoinRequest):
+            return self._join(key, peer_id, body, host, now)
+        admin = self._admin.get(type(body))
+        if admin is not None:
+            token = self.cfg.admin_token
+            if not token or not hmac.compare_digest(
+                getattr(body, "admin_token", "").encode(), token.encode()
+            ):
+                log.warning("admin call %s refused: bad admin token", body.TYPE)
+                return _err("forbidden", "admin calls need the run's admin token")
+            return admin(body, now)
+        handler = self._handlers.get(type(body))
+        if handler is None:
+            return _err("bad_request", f"{body.TYPE!r} is not a request")
+        if peer_id in self.membership.banned:
+            return _err("banned", "this peer is banned from the run")
+        peer = self.membership.live.get(peer_id)
+        if peer is None:
+            return _err("not_member", "not a live member (membership lapsed?): join first")
+        return handler(peer, body, now)
+
+    # -- membership ---------------------------------------------------------------------
+
+    def _join(self, key: bytes, peer_id: str, req: c.JoinRequest, host: str, now: float) -> Message:
+        if peer_id in self.membership.banned:
+            return _err("banned", "this peer is banned from the run")
+        if self.cfg.auth == "token" and not hmac.compare_digest(
+            req.join_token.encode(), self.cfg.join_token.encode()
+        ):
+            log.info("join refused (bad join token) from %s", peer_id)
+            return _err("unauthorized", "this run needs a valid join token")
+        if self.cfg.auth == "allowlist" and peer_id not in self.allowlist:
+            log.info("join refused (not on the allowlist) from %s", peer_id)
+            return _err("unauthorized", "this peer id is not on the run's allowlist")
+        if req.stage is not None and req.stage >= self.cfg.n_stages:
+            return _err("bad_request", f"stage {req.stage} >= n_stages {self.cfg.n_stages}")
+        if peer_id in self.membership.live:  # a re-join replaces the old membership
+            self.book.release_holder(peer_id, now, expired=True)
+            self.membership.remove(peer_id, LEFT)
+        stage = req.stage if req.stage is not None else self.membership.place()
+        peer = Peer(
+            peer_id=peer_id,
+            public_key=key,
+            stage=stage,
+            addrs=list(req.addrs),
+            device=req.device,
+            throughput=req.throughput,
+            deadline=req.deadline,
+            metrics_host=req.metrics_host or host,
+            metrics_port=req.metrics_port,
+            fixed_stage=req.stage is not None,
+            joined_at=now,
+            expires_at=now + self.cfg.lease_ttl_s,
+        )
+        self.membership.join(peer)
+        self.metrics.joins.inc()
+        log.info("join %s -> stage %d (%s, %.0f tok/s)", peer_id, stage, req.device, req.throughput)
+        return c.JoinReply(
+            peer_id=peer_id,
+            stage=stage,
+            run=self.run_info(),
+            membership_version=self.membership.version,
+        )
+
+    def run_info(self) -> c.RunInfo:
+        cfg = self.cfg
+        return c.RunInfo(
+            run_id=cfg.run_id,
+            model_preset=cfg.model_preset,
+            n_stages=cfg.n_stages,
+            codec=cfg.codec,
+            seed=cfg.seed,
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+            lease_ttl_s=cfg.lease_ttl_s,
+            dataset_name=self.manifest.name,
+            dataset_hash=self.manifest.content_hash,
+            shards=len(self.manifest.train),
+            data_epoch=self.book.data_epoch,
+        )
+
+    def _heartbeat(self, peer: Peer, req: c.HeartbeatRequest, now: float) -> Message:
+        self.membership.renew(peer.peer_id, now, req.throughput)
+        held = self.book.renew(peer.peer_id, now)
+        renewed = [c.LeaseRef(lease_id=x.lease_id, epoch=x.epoch) for x in held]
+        live = {(x.lease_id, x.epoch) for x in held}
+        fenced = [r for r in req.leases if (r.lease_id, r.epoch) not in live]
+        moved, peer.moved = peer.moved, False
+        return c.HeartbeatReply(
+            stage=peer.stage,
+            moved=moved,
+            drain=peer.drain,
+            paused=self.paused,
+            renewed=renewed,
+            fenced=fenced,
+            expires_at=peer.expires_at,
+            membership_version=self.membership.version,
+            data_epoch=self.book.data_epoch,
+        )
+
+    def _membership(self, peer: Peer, req: c.MembershipRequest, now: float) -> Message:
+        return self.membership.delta(req.since, req.stage)
+
+    def _manifest(self, peer: Peer, req: c.ManifestRequest, now: float) -> Message:
+        return self.manifest
+
+    def _leave(self, peer: Peer, req: c.LeaveRequest, now: float) -> Message:
+        released = self.book.release_holder(peer.peer_id, now, expired=False)
+        self.membership.remove(peer.peer_id, LEFT)
+        self.metrics.leaves.labels("left").inc()
+        log.info("leave %s (released %d leases)", peer.peer_id, len(released))
+        return c.OkReply(detail=f"left; released {len(released)} leases")
+
+    def expire(self, now: float) -> tuple[int, int]:
+        """Drop lapsed peers (their leases expire) and lapsed leases; returns counts."""
+        dead = self.membership.expire_due(now)
+        n = 0
+        for p in dead:
+            n += len(self.book.release_holder(p.peer_id, now, expired=True))
+            log.info("peer %s lapsed (no heartbeat for %.1fs)", p.peer_id, self.cfg.lease_ttl_s)
+        n += len(self.book.expire_due(now))
+        if dead:
+            self.metrics.leaves.labels(DEAD).inc(len(dead))
+        if n:
+            self.metrics.expired.inc(n)
+        return len(dead), n
+
+    def rebalance(self) -> Peer | None:
+        moved = self.membership.rebalance(
+            self.cfg.rebalance_ratio, lambda pid: pid in self.book.by_holder
+        )
+        if moved is not None:
+            self.metrics.moves.inc()
+            log.info("rebalance: moved %s to stage %d", moved.peer_id, moved.stage)
+        return moved
+
+    # -- leases -------------------------------------------------------------------------
+
+    def _lease_info(self, lease: Any) -> c.LeaseInfo:
+        return c.LeaseInfo(
+            lease_id=lease.lease_id,
+            shard_id=lease.shard_id,
+            epoch=lease.epoch,
+            data_epoch=lease.data_epoch,
+            committed=lease.committed,
+            limit=lease.limit,
+            shard_tokens=lease.shard_tokens,
+            expires_at=lease.expires_at,
+            state=lease.state,
+        )
+
+    def _acquire(self, peer: Peer, req: c.LeaseAcquire, now: float) -> Message:
+        if self.paused:
+            return c.LeaseGrant(reason="paused")
+        if peer.drain:
+            return c.LeaseGrant(reason="draining")
+        if len(self.book.by_holder.get(peer.peer_id, {})) >= self.cfg.max_leases_per_peer:
+            return c.LeaseGrant(reason="max_leases")
+        budget = None
+        if peer.deadline is not None:
+            left_s = peer.deadline - now - self.cfg.deadline_margin_s
+            budget = int(max(0.0, left_s) * peer.throughput)
+        cap = req.max_tokens
+        if self.cfg.grant_tokens is not None:
+            cap = self.cfg.grant_tokens if cap is None else min(cap, self.cfg.grant_tokens)
+        lease, reason = self.book.acquire(
+            peer.peer_id,
+            now,
+            max_tokens=cap,
+            budget_tokens=budget,
+            min_tokens=self.cfg.min_grant_tokens,
+        )
+        if lease is None:
+            return c.LeaseGrant(reason=reason)
+        return c.LeaseGrant(lease=self._lease_info(lease))
+
+    def _commit(self, peer: Peer, req: c.LeaseCommit, now: float) -> Message:
+        before = self.book.data_epoch
+        lease = self.book.leases.get(req.lease_id)
+        offset = lease.committed if lease is not None else None
+        lease, done = self.book.commit(
+            peer.peer_id, req.lease_id, req.epoch, req.start, req.end, now
+        )
+        if offset is not None and lease.committed > offset:
+            self.metrics.committed.inc(lease.committed - offset)
+            self.committed_total += lease.committed - offset
+        if self.book.data_epoch != before:
+            log.info("data epoch %d complete; starting %d", before, self.book.data_epoch)
+        return c.LeaseReply(lease=self._lease_info(lease), shard_done=done)
+
+    def _complete(self, peer: Peer, req: c.LeaseComplete, now: float) -> Message:
+        lease, done = self.book.complete(peer.peer_id, req.lease_id, req.epoch, now)
+        return c.LeaseReply(lease=self._lease_info(lease), shard_done=done)
+
+    def _release(self, peer: Peer, req: c.LeaseRelease, now: float) -> Message:
+        lease = self.book.release(peer.peer_id, req.lease_id, req.epoch, now)
+        return c.LeaseReply(lease=self._lease_info(lease))
+
+    def _shard(self, peer: Peer, req: c.ShardFetch, now: float) -> Message:
+        info = self.shards.get(req.shard_id)
+        if info is None:
+            return _err("not_found", f"no shard {req.shard_id} in the manifest")
+        data = self.corpus[info.start : info.start + info.tokens]
+        return c.ShardData(shard_id=info.shard_id, sha256=info.sha256, data=data)
+
+    # -- admin --------------------------------------------------------------------------
+
+    def _drain(self, req: c.AdminDrain, now: float) -> Message:
+        peer = self.membership.live.get(req.peer_id)
+        if peer is None:
+            return _err("not_found", f"no live peer {req.peer_id[:128]}")
+        peer.drain = True
+        self.journal.peers[peer.peer_id] = peer
+        log.info("admin: drain %s", peer.peer_id)
+        return c.OkReply(detail="draining")
+
+    def _ban(self, req: c.AdminBan, now: float) -> Message:
+        self.book.release_holder(req.peer_id, now, expired=True)
+        peer = self.membership.remove(req.peer_id, BANNED)
+        if peer is None:  # not live: record the ban anyway
+            peer = Peer(req.peer_id, b"", 0, [], "", 0.0, None, None, None, False, now, now)
+            peer.state = BANNED
+            self.journal.peers[req.peer_id] = peer
+        self.metrics.leaves.labels(BANNED).inc()
+        log.info("admin: ban %s", req.peer_id)
+        return c.OkReply(detail="banned")
+
+    def _pause(self, req: c.AdminPause, now: float) -> Message:
+        self.paused = req.paused
+        self.journal.meta["paused"] = "1" if req.paused else "0"
+        log.info("admin: %s", "pause" if req.paused else "resume")
+        return c.OkReply(detail="paused" if req.paused else "resumed")
+
+    # -- status -------------------------------------------------------------------------
+
+    def sample_progress(self, now: float) -> None:
+        self.progress.append((now, self.committed_total))
+
+    def status(self, now: float) -> c.StatusReply:
+        rates = self.membership.stage_rates()
+        counts = self.membership.stage_counts()
+        costs = self.membership.stage_costs
+        stages = [
+            c.StageStatus(stage=s, peers=counts[s], throughput=rates[s] * costs[s], cost=costs[s])
+            for s in range(self.cfg.n_stages)
+        ]
+        rate = 0.0
+        if len(self.progress) >= 2:
+            (t0, a), (t1, b) = self.progress[0], self.progress[-1]
+            rate = (b - a) / (t1 - t0) if t1 > t0 else 0.0
+        committed = self.book.committed_tokens()
+        left = self.book.epoch_tokens - committed
+        return c.StatusReply(
+            run_id=self.cfg.run_id,
+            membership_version=self.membership.version,
+            paused=self.paused,
+            peers=len(self.membership.live),
+            stages=stages,
+            leases={"active": len(self.book.active)},
+            shards=self.book.counts(),
+            data_epoch=self.book.data_epoch,
+            committed_tokens=committed,
+            epoch_tokens=self.book.epoch_tokens,
+            tokens_per_s=max(rate, 0.0),
+            eta_s=left / rate if rate > 0 else None,
+            uptime_s=max(0.0, now - self.started),
+        )
+
+
+def _signed(req: SignedRequest) -> bytes:
+    # verify the signature apart from the replay check so each gets its own error code
+    return _signed_bytes(req.key, req.ts, req.nonce, req.body)

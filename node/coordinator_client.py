@@ -1,0 +1,292 @@
+"""Trio client of the coordinator's control plane (see `protocol.control` for the calls).
+
+One TCP connection, one request in flight at a time, every request signed with the
+node key. Every call has a deadline. While the coordinator is away (connection refused
+or cut, `too_busy`, `rate_limited`, `internal`) calls retry with jittered exponential
+back-off until `retry_deadline_s`, then raise `CoordinatorUnavailable`. Refusals raise
+`CoordinatorError` (`FencedError` for a fenced lease, `NotMemberError` when the
+membership lapsed). `heartbeat_loop` keeps the membership and all leases alive, re-joins
+after a lapse and rides out outages. Imports only `protocol`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from protocol import control as c
+from protocol.corpus import Manifest
+from protocol.errors import ProtocolError
+from protocol.framing import FrameDecoder, frame_message
+from protocol.identity import NodeKey
+from protocol.message import Message
+from protocol.signing import sign_request
+
+log = logging.getLogger(__name__)
+
+RETRY_CODES = ("too_busy", "rate_limited", "internal")
+
+
+class CoordinatorError(Exception):
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"coordinator refused: {code}: {detail}")
+        self.code, self.detail = code, detail
+
+
+class FencedError(CoordinatorError):
+    """The lease is fenced: a newer holder owns the shard. Drop its uncommitted work."""
+
+
+class NotMemberError(CoordinatorError):
+    """The membership lapsed (or was never made): join again."""
+
+
+class CoordinatorUnavailable(Exception):
+    """The coordinator could not be reached before the call's deadline."""
+
+
+def _error(reply: c.ErrorReply) -> CoordinatorError:
+    kind = {"fenced": FencedError, "not_member": NotMemberError}.get(reply.code, CoordinatorError)
+    return kind(reply.code, reply.detail)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ClientConfig:
+    call_timeout_s: float = 10.0  # seconds for one attempt (connect + request + reply)
+    retry_deadline_s: float = 300.0  # seconds a call keeps retrying while the coordinator is away
+    backoff_initial_s: float = 0.1  # seconds before the first retry
+    backoff_max_s: float = 5.0  # seconds, cap of the exponential back-off
+    max_frame_bytes: int = 8 << 20  # bytes
+
+
+class MembershipView:
+    """The node's copy of the membership view, kept current with deltas."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.peers: dict[str, c.PeerInfo] = {}
+
+    def apply(self, reply: c.MembershipReply) -> None:
+        if reply.full:
+            self.peers = {}
+        for p in reply.peers:
+            self.peers[p.peer_id] = p
+        for pid in reply.left:
+            self.peers.pop(pid, None)
+        self.version = reply.version
+
+    def stage(self, stage: int) -> list[c.PeerInfo]:
+        return [p for p in self.peers.values() if p.stage == stage]
+
+
+class CoordinatorClient:
+    def __init__(
+        self, host: str, port: int, key: NodeKey, *, config: ClientConfig | None = None
+    ) -> None:
+        self.host, self.port, self.key = host, port, key
+        self.cfg = config or ClientConfig()
+        self._stream: trio.SocketStream | None = None
+        self._decoder = FrameDecoder(max_frame=self.cfg.max_frame_bytes)
+        self._lock = trio.Lock()
+        self.join_request: c.JoinRequest | None = None
+        self.joined: c.JoinReply | None = None
+        self.view = MembershipView()
+
+    @property
+    def peer_id(self) -> str:
+        return self.key.peer_id
+
+    async def aclose(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            with trio.move_on_after(1):
+                await stream.aclose()
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- transport ----------------------------------------------------------------------
+
+    async def _once(self, body: Message) -> Message:
+        if self._stream is None:
+            self._stream = await trio.open_tcp_stream(self.host, self.port)
+            self._decoder = FrameDecoder(max_frame=self.cfg.max_frame_bytes)
+        req = sign_request(self.key, body, now=time.time())
+        await self._stream.send_all(frame_message(req, max_frame=self.cfg.max_frame_bytes))
+        while True:
+            data = await self._stream.receive_some(1 << 16)
+            if not data:
+                raise ConnectionResetError("coordinator closed the connection")
+            msgs = self._decoder.feed_messages(data)
+            if msgs:
+                if len(msgs) > 1:
+                    raise ProtocolError("coordinator sent more replies than requests")
+                return msgs[0]
+
+    async def call(self, body: Message, *, retry: bool = True) -> Message:
+        """Send one request; return the reply or raise (see the module docstring)."""
+        give_up = trio.current_time() + (
+            self.cfg.retry_deadline_s if retry else self.cfg.call_timeout_s
+        )
+        delay = self.cfg.backoff_initial_s
+        attempt = 0
+        while True:
+            attempt += 1
+            why: str
+            try:
+                async with self._lock:
+                    with trio.fail_after(
+                        min(self.cfg.call_timeout_s, max(0.01, give_up - trio.current_time()))
+                    ):
+                        reply = await self._once(body)
+                if not isinstance(reply, c.ErrorReply):
+                    return reply
+                if reply.code not in RETRY_CODES:
+                    raise _error(reply)
+                why = f"{reply.code}: {reply.detail}"
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                await self.aclose()
+            except trio.TooSlowError:
+                why = f"no reply within call_timeout_s={self.cfg.call_timeout_s}"
+                await self.aclose()
+            except ProtocolError as exc:
+                why = f"bad reply: {exc}"
+                await self.aclose()
+            if not retry or trio.current_time() + delay >= give_up:
+                raise CoordinatorUnavailable(
+                    f"{body.TYPE} to {self.host}:{self.port} failed after {attempt} attempts"
+                    f" (retry_deadline_s={self.cfg.retry_deadline_s}): {why}"
+                )
+            log.debug("%s failed (%s); retrying in %.2fs", body.TYPE, why, delay)
+            await trio.sleep(delay * (0.5 + random.random() / 2))
+            delay = min(delay * 2, self.cfg.backoff_max_s)
+
+    async def _typed(self, body: Message, kind: type[Message], *, retry: bool = True) -> Message:
+        reply = await self.call(body, retry=retry)
+        if not isinstance(reply, kind):
+            raise CoordinatorError("bad_reply", f"expected {kind.TYPE}, got {reply.TYPE}")
+        return reply
+
+    # -- membership ---------------------------------------------------------------------
+
+    async def join(self, request: c.JoinRequest | None = None) -> c.JoinReply:
+        """Join (or re-join with the last request). The reply holds the run and stage."""
+        request = request or self.join_request or c.JoinRequest()
+        reply = await self._typed(request, c.JoinReply)
+        assert isinstance(reply, c.JoinReply)
+        self.join_request, self.joined = request, reply
+        return reply
+
+    async def heartbeat(
+        self, leases: list[c.LeaseRef] | None = None, throughput: float | None = None
+    ) -> c.HeartbeatReply:
+        reply = await self._typed(
+            c.HeartbeatRequest(leases=leases or [], throughput=throughput), c.HeartbeatReply
+        )
+        assert isinstance(reply, c.HeartbeatReply)
+        return reply
+
+    async def heartbeat_loop(
+        self,
+        leases: Callable[[], list[c.LeaseRef]],
+        on_reply: Callable[[c.HeartbeatReply], Awaitable[None]] | None = None,
+        on_rejoin: Callable[[c.JoinReply], Awaitable[None]] | None = None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Heartbeat every `heartbeat_interval_s` until cancelled. Re-joins after a lapse
+        (`on_rejoin`); keeps trying through outages."""
+        if self.joined is None:
+            raise RuntimeError("join before starting the heartbeat loop")
+        task_status.started()
+        while True:
+            interval = self.joined.run.heartbeat_interval_s
+            try:
+                reply = await self.heartbeat(leases())
+                if on_reply is not None:
+                    await on_reply(reply)
+            except NotMemberError:
+                log.warning("membership lapsed; re-joining")
+                joined = await self.join()
+                if on_rejoin is not None:
+                    await on_rejoin(joined)
+            except CoordinatorUnavailable as exc:
+                log.warning("coordinator unavailable: %s", exc)
+            await trio.sleep(interval)
+
+    async def membership(self, stage: int | None = None) -> MembershipView:
+        """Bring `self.view` up to date with a delta since its version."""
+        reply = await self._typed(
+            c.MembershipRequest(since=self.view.version, stage=stage), c.MembershipReply
+        )
+        assert isinstance(reply, c.MembershipReply)
+        self.view.apply(reply)
+        return self.view
+
+    async def leave(self) -> None:
+        await self._typed(c.LeaveRequest(), c.OkReply, retry=False)
+
+    async def status(self) -> c.StatusReply:
+        reply = await self._typed(c.StatusRequest(), c.StatusReply)
+        assert isinstance(reply, c.StatusReply)
+        return reply
+
+    # -- data ---------------------------------------------------------------------------
+
+    async def manifest(self) -> Manifest:
+        reply = await self._typed(c.ManifestRequest(), Manifest)
+        assert isinstance(reply, Manifest)
+        return reply
+
+    async def fetch_shard(self, shard_id: int) -> bytes:
+        """The shard's bytes, checked against the sha256 the coordinator sent."""
+        reply = await self._typed(c.ShardFetch(shard_id=shard_id), c.ShardData)
+        assert isinstance(reply, c.ShardData)
+        if hashlib.sha256(reply.data).hexdigest() != reply.sha256:
+            raise ProtocolError(f"shard {shard_id} failed its sha256 check")
+        return reply.data
+
+    async def acquire(self, max_tokens: int | None = None) -> c.LeaseInfo | None:
+        """A new lease, or None (see `LeaseGrant.reason` via `acquire_grant`)."""
+        return (await self.acquire_grant(max_tokens)).lease
+
+    async def acquire_grant(self, max_tokens: int | None = None) -> c.LeaseGrant:
+        reply = await self._typed(c.LeaseAcquire(max_tokens=max_tokens), c.LeaseGrant)
+        assert isinstance(reply, c.LeaseGrant)
+        return reply
+
+    async def commit(self, lease: c.LeaseInfo, start: int, end: int) -> c.LeaseReply:
+        """Commit `[start, end)` of the lease's shard (start = committed offset).
+        Raises `FencedError` if the lease was fenced."""
+        body = c.LeaseCommit(lease_id=lease.lease_id, epoch=lease.epoch, start=start, end=end)
+        reply = await self._typed(body, c.LeaseReply)
+        assert isinstance(reply, c.LeaseReply)
+        return reply
+
+    async def complete(self, lease: c.LeaseInfo) -> c.LeaseReply:
+        reply = await self._typed(
+            c.LeaseComplete(lease_id=lease.lease_id, epoch=lease.epoch), c.LeaseReply
+        )
+        assert isinstance(reply, c.LeaseReply)
+        return reply
+
+    async def release(self, lease: c.LeaseInfo) -> c.LeaseReply:
+        reply = await self._typed(
+            c.LeaseRelease(lease_id=lease.lease_id, epoch=lease.epoch), c.LeaseReply
+        )
+        assert isinstance(reply, c.LeaseReply)
+        return reply
+
+
+def lease_ref(lease: c.LeaseInfo) -> c.LeaseRef:
+    return c.LeaseRef(lease_id=lease.lease_id, epoch=lease.epoch)
