@@ -17,6 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -202,7 +203,7 @@ class CoordinatorClient:
         on_reply: Callable[[c.HeartbeatReply], Awaitable[None]] | None = None,
         on_rejoin: Callable[[c.JoinReply], Awaitable[None]] | None = None,
         *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Heartbeat every `heartbeat_interval_s` until cancelled. Re-joins after a lapse
         (`on_rejoin`); keeps trying through outages."""
