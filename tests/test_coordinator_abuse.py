@@ -1,0 +1,153 @@
+"""Bad input and access control against a real coordinator process: garbage and
+oversized frames, a connection flood, auth modes, admin token, replayed requests. After
+each, an honest client is still served and the bad-frame counter moved."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import trio
+from coordinator_harness import Coordinator, wait_for, write_config
+
+from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
+from protocol import control as c
+from protocol.codec import decode
+from protocol.framing import FrameDecoder, frame_message
+from protocol.identity import NodeKey
+from protocol.signing import sign_request
+
+FAST = ClientConfig(call_timeout_s=5.0, retry_deadline_s=30.0)
+
+
+def _raw(port: int, data: bytes) -> list[c.Message]:
+    """Send bytes, read replies until the server closes or 3 s pass."""
+    dec = FrameDecoder()
+    out = []
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+        s.sendall(data)
+        try:
+            while chunk := s.recv(65536):
+                out += [decode(p) for p in dec.feed(chunk)]
+        except TimeoutError:
+            pass
+    return out
+
+
+def _honest(port: int, key: NodeKey, token: str = "") -> c.StatusReply:
+    async def go() -> c.StatusReply:
+        async with CoordinatorClient("127.0.0.1", port, key, config=FAST) as cl:
+            await cl.join(c.JoinRequest(join_token=token))
+            await cl.heartbeat()
+            return await cl.status()
+
+    return trio.run(go)
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def test_bad_frames_flood_auth_admin_and_replay(tmp_path: Path, child_env: dict[str, str]) -> None:
+    cfg = write_config(
+        tmp_path,
+        auth="token",
+        join_token="s3cret-join",
+        admin_token="s3cret-admin",
+        max_connections=40,
+        idle_timeout_s=1.5,
+        metrics_port=0,
+    )
+    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+    mport = int(
+        wait_for(
+            lambda: re.search(r"metrics on 127.0.0.1:(\d+)", coord.output()), "metrics line"
+        ).group(1)
+    )
+    key = NodeKey.generate()
+
+    # garbage inside a frame: error reply, connection closed
+    (reply,) = _raw(coord.port, b"\x00\x00\x00\x05hello")
+    assert isinstance(reply, c.ErrorReply) and reply.code == "bad_frame"
+    # a header claiming 4 GiB: refused before any allocation
+    (reply,) = _raw(coord.port, b"\xff\xff\xff\xff" + b"x" * 100)
+    assert isinstance(reply, c.ErrorReply) and reply.code == "bad_frame"
+    # a valid frame that is not a signed request
+    (reply,) = _raw(coord.port, frame_message(c.StatusRequest()))
+    assert reply.code == "bad_frame"  # type: ignore[attr-defined]
+    assert _metric(mport, "agora_coordinator_bad_frames_total") >= 3
+
+    # wrong join token, then the right one
+    with pytest.raises(CoordinatorError) as err:
+        _honest(coord.port, key, token="wrong")
+    assert err.value.code == "unauthorized"
+    assert _honest(coord.port, key, token="s3cret-join").peers == 1
+
+    # a flood of idle connections above the limit: refused or cut, honest client served
+    flood = []
+    for _ in range(120):
+        try:
+            flood.append(socket.create_connection(("127.0.0.1", coord.port), timeout=3))
+        except OSError:
+            break
+    assert len(flood) >= 40
+    t0 = time.monotonic()
+    assert _honest(coord.port, key, token="s3cret-join").peers == 1
+    assert time.monotonic() - t0 < 20
+    for s in flood:
+        s.close()
+    assert _metric(mport, "agora_coordinator_rejected_connections_total") > 0
+
+    # admin calls: refused without the token, accepted with it
+    async def admin() -> None:
+        async with CoordinatorClient("127.0.0.1", coord.port, key, config=FAST) as cl:
+            with pytest.raises(CoordinatorError) as e:
+                await cl.call(c.AdminPause(admin_token="nope", paused=True))
+            assert e.value.code == "forbidden"
+            with pytest.raises(CoordinatorError) as e:
+                await cl.call(c.AdminBan(admin_token="", peer_id="x"))
+            assert e.value.code == "forbidden"
+            assert isinstance(
+                await cl.call(c.AdminPause(admin_token="s3cret-admin", paused=True)), c.OkReply
+            )
+            assert (await cl.acquire_grant()).reason == "paused"
+            assert (await cl.status()).paused
+
+    trio.run(admin)
+
+    # a replayed signed request is refused
+    signed = frame_message(sign_request(key, c.StatusRequest(), now=time.time()))
+    first, second = _raw(coord.port, signed + signed)
+    assert isinstance(first, c.StatusReply)
+    assert isinstance(second, c.ErrorReply) and second.code == "replay"
+    # a request signed by another key is refused
+    req = sign_request(key, c.StatusRequest(), now=time.time())
+    forged = type(req)(
+        key=NodeKey.generate().public_key, ts=req.ts, nonce=req.nonce, body=req.body, sig=req.sig
+    )
+    forged_reply, unsigned_reply = _raw(
+        coord.port, frame_message(forged) + frame_message(c.ErrorReply(code="x"))
+    )
+    assert forged_reply.code == "bad_signature"  # type: ignore[attr-defined]
+    assert unsigned_reply.code == "bad_frame"  # type: ignore[attr-defined]
+
+    assert "s3cret" not in coord.output()  # secrets never logged
+    assert coord.stop() == 0
+
+
+def test_allowlist_mode(tmp_path: Path, child_env: dict[str, str]) -> None:
+    good, bad = NodeKey.generate(), NodeKey.generate()
+    cfg = write_config(tmp_path, auth="allowlist", allowlist=[good.peer_id])
+    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+    assert _honest(coord.port, good).peers == 1
+    with pytest.raises(CoordinatorError) as err:
+        _honest(coord.port, bad)
+    assert err.value.code == "unauthorized"
+    assert coord.stop() == 0
