@@ -5,10 +5,12 @@ the run then finishes its data epoch and `agora audit` is clean."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import trio
-from coordinator_harness import Coordinator, audit, write_config
+from coordinator_harness import REPO, Coordinator, audit, write_config
 
 from node.coordinator_client import ClientConfig, CoordinatorClient, lease_ref
 from protocol import control as c
@@ -81,4 +83,14 @@ def test_sigkill_restart_keeps_state_and_audit_is_clean(
             assert st.data_epoch == 1 and st.committed_tokens == 0
 
     trio.run(phase3)
+    shown = subprocess.run(
+        [sys.executable, "-m", "coordinator.status", "--coordinator", f"127.0.0.1:{coord.port}"],
+        cwd=REPO,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "data epoch 1" in shown.stdout and "stage" in shown.stdout
     assert coord.stop() == 0  # SIGTERM shuts down cleanly
