@@ -1,0 +1,456 @@
+"""Monitoring with a real Prometheus: the shipped config, rules and dashboard (issue 8).
+
+- `promtool check config` / `check rules` / `test rules` on the files in deploy/prometheus.
+- Every PromQL expression in the Grafana dashboard parses (promtool), and every `agora_*`
+  metric the dashboard and alerts use is one that node or coordinator code exports.
+- A real coordinator, scraped by a real `prometheus` started from a config generated out
+  of the shipped deploy/prometheus/prometheus.yml: series for peers per stage and leases
+  appear, and peers announced to the coordinator show up as targets through the
+  coordinator-written file-SD JSON.
+- With two real `agora-node` processes: tokens and loss series from the nodes.
+- Series cardinality stays bounded while 1,000 peers join, heartbeat, leave or lapse.
+
+Only the absence of the `prometheus`/`promtool` binaries (Debian package `prometheus`)
+skips the Prometheus tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from protocol.control import HeartbeatRequest, JoinRequest, LeaveRequest
+from protocol.framing import FrameDecoder, frame_message
+from protocol.identity import NodeKey
+from protocol.message import Message
+from protocol.signing import sign_request
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+PROM_DIR = DEPLOY / "prometheus"
+PROMETHEUS = shutil.which("prometheus")
+PROMTOOL = shutil.which("promtool")
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None or PROMTOOL is None,
+    reason="the prometheus and promtool binaries are not installed "
+    "(Debian: apt-get install -y prometheus; see deploy/ci-prometheus.sh)",
+)
+WAIT_S = 40.0  # seconds any single wait in this file may take
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = WAIT_S) -> Any:
+    """Poll `check` until it returns a truthy value; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return bytes(r.read())
+
+
+def try_get(url: str) -> bytes | None:
+    try:
+        return http_get(url, timeout=2.0)
+    except OSError:
+        return None
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+class Coordinator:
+    def __init__(self, tmp: Path, env: dict[str, str], extra: list[str]) -> None:
+        self.sd_file = tmp / "nodes.json"
+        self.out = tmp / "coordinator.out"
+        self.err = tmp / "coordinator.err"
+        argv = [
+            sys.executable, "-m", "coordinator.main",
+            "--port", "0", "--metrics-port", "0",
+            "--prometheus-sd", str(self.sd_file),
+            "--db", str(tmp / "coordinator.sqlite"), "--sync", "normal",
+            *extra,
+        ]  # fmt: skip
+        with open(self.out, "wb") as out, open(self.err, "wb") as err:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=tmp)
+        text = wait_for("agora-coordinator to print its ports", self._ports)
+        self.metrics_port = int(re.search(r"metrics on \S+:(\d+)", text).group(1))  # type: ignore[union-attr]
+        self.port = int(re.search(r"listening on \S+:(\d+)", text).group(1))  # type: ignore[union-attr]
+
+    def _ports(self) -> str | None:
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"agora-coordinator exited {self.proc.returncode}: {self.err.read_text()[-2000:]}"
+            )
+        text = self.out.read_text()
+        return text if "metrics on" in text and "listening on" in text else None
+
+    def metrics_text(self) -> str:
+        return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics").decode()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+def prometheus_config(tmp: Path, coordinator_target: str, sd_file: Path) -> Path:
+    """The shipped prometheus.yml with targets, paths and intervals rewritten for `tmp`."""
+    cfg = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
+    cfg["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    cfg["rule_files"] = [str(PROM_DIR / f) for f in cfg["rule_files"]]
+    jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
+    assert set(jobs) == {"agora-coordinator", "agora-node"}, sorted(jobs)
+    assert len(jobs["agora-coordinator"]["static_configs"]) == 1
+    jobs["agora-coordinator"]["static_configs"][0]["targets"] = [coordinator_target]
+    assert len(jobs["agora-node"]["file_sd_configs"]) == 1
+    jobs["agora-node"]["file_sd_configs"][0].update(files=[str(sd_file)], refresh_interval="1s")
+    path = tmp / "prometheus.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class Prometheus:
+    def __init__(self, tmp: Path, config: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "prometheus.log"
+        argv = [
+            str(PROMETHEUS),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        wait_for("prometheus to become ready", self._ready)
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"prometheus exited: {self.log.read_text()[-3000:]}")
+        return try_get(self.base + "/-/ready") is not None
+
+    def api(self, path: str, **params: str) -> Any:
+        url = f"{self.base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        body = json.loads(http_get(url))
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def series(self, query: str) -> list[dict[str, Any]]:
+        return list(self.api("query", query=query)["result"])
+
+    def targets(self, job: str) -> list[dict[str, Any]]:
+        active = self.api("targets", state="active")["activeTargets"]
+        return [t for t in active if t["labels"].get("job") == job]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+class RawPeer:
+    """Speaks the control protocol over one TCP socket (signed frames) as many identities."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.decoder = FrameDecoder()
+
+    def call(self, key: NodeKey, body: Message) -> Message:
+        self.sock.sendall(frame_message(sign_request(key, body, now=time.time())))
+        while True:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise AssertionError(f"coordinator closed the connection on {body.TYPE}")
+            replies = self.decoder.feed_messages(data)
+            if replies:
+                assert len(replies) == 1, replies
+                return replies[0]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path, child_env: dict[str, str]) -> Iterator[Coordinator]:
+    c = Coordinator(
+        tmp_path,
+        child_env,
+        ["--shard-tokens", "4096", "--lease-ttl", "2", "--heartbeat-interval", "0.5"],
+    )
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+# --- static checks of the shipped files ------------------------------------------------------
+
+
+@needs_prometheus
+def test_promtool_accepts_config_and_rules() -> None:
+    for args in (
+        ["check", "config", "prometheus.yml"],
+        ["check", "rules", "alerts.yml"],
+        ["test", "rules", "alerts_test.yml"],
+    ):
+        r = subprocess.run(
+            [str(PROMTOOL), *args], cwd=PROM_DIR, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, f"promtool {' '.join(args)}:\n{r.stdout}\n{r.stderr}"
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads((DEPLOY / "grafana" / "agora.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 20
+    return exprs
+
+
+@needs_prometheus
+def test_dashboard_queries_parse(tmp_path: Path) -> None:
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"agora:dashboard_query_{i}", "expr": e}
+                    for i, e in enumerate(dashboard_exprs())
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "dashboard_rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    r = subprocess.run(
+        [str(PROMTOOL), "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, f"a dashboard query does not parse:\n{r.stdout}\n{r.stderr}"
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name the node and coordinator code can export."""
+    from prometheus_client import REGISTRY
+
+    import coordinator.metrics
+    import node.metrics
+    import node.p2p.metrics  # noqa: F401  (registers on the default registry)
+
+    names: set[str] = set()
+    for registry in (REGISTRY, coordinator.metrics.CoordinatorMetrics().registry):
+        for family in registry.collect():
+            names.add(family.name)
+            names.update(s.name for s in family.samples)
+            if family.type == "histogram":
+                names.update(family.name + s for s in ("_bucket", "_sum", "_count"))
+            if family.type == "counter":
+                names.add(family.name + "_total")
+    return names
+
+
+def test_deploy_files_use_only_exported_metrics() -> None:
+    used: set[str] = set()
+    for expr in dashboard_exprs():
+        used.update(re.findall(r"\bagora_[a-z0-9_]+", expr))
+    for group in yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"]:
+        for rule in group["rules"]:
+            used.update(re.findall(r"\bagora_[a-z0-9_]+", rule["expr"]))
+    missing = sorted(used - exported_metric_names())
+    assert not missing, f"deploy/ uses metrics that no code exports: {missing}"
+
+
+def test_compose_mounts_shipped_files() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"coordinator", "node", "prometheus", "grafana"} <= set(services)
+    for svc in services.values():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                assert (DEPLOY / src).exists(), f"compose mounts missing {src}"
+    run = (DEPLOY / "docker" / "run.toml").read_text()
+    prom = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
+    node_job = next(j for j in prom["scrape_configs"] if j["job_name"] == "agora-node")
+    assert f'prometheus_sd = "{node_job["file_sd_configs"][0]["files"][0]}"' in run
+
+
+# --- a real Prometheus against a real coordinator -------------------------------------------
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_prometheus_scrapes_coordinator_and_discovers_peers(
+    tmp_path: Path, coordinator: Coordinator
+) -> None:
+    # Two peers join with metrics endpoints (and keep heartbeating), so the coordinator
+    # lists them in its file SD.
+    keys = [NodeKey.generate() for _ in range(2)]
+    ports = [free_port(), free_port()]
+    raw = RawPeer(coordinator.port)
+    stop = threading.Event()
+    beating = threading.Thread(target=heartbeats, args=(raw, keys, stop), daemon=True)
+    try:
+        for stage, (key, port) in enumerate(zip(keys, ports, strict=True)):
+            reply = raw.call(key, JoinRequest(stage=stage, metrics_port=port))
+            assert reply.TYPE == "join.reply", reply
+        beating.start()
+        prom = Prometheus(
+            tmp_path,
+            prometheus_config(
+                tmp_path, f"127.0.0.1:{coordinator.metrics_port}", coordinator.sd_file
+            ),
+        )
+        try:
+            wait_for(
+                "up{job=agora-coordinator} == 1",
+                lambda: prom.series('up{job="agora-coordinator"} == 1'),
+            )
+            peers = wait_for(
+                "agora_coordinator_peers series", lambda: prom.series("agora_coordinator_peers")
+            )
+            assert {s["metric"]["stage"] for s in peers} == {"0", "1"}
+            wait_for(
+                "both peers counted per stage",
+                lambda: prom.series("sum(agora_coordinator_peers) == 2"),
+            )
+            wait_for(
+                "lease series",
+                lambda: (
+                    prom.series("agora_coordinator_active_leases")
+                    and prom.series('agora_coordinator_shards{state="pending"} > 0')
+                ),
+            )
+            want = {f"127.0.0.1:{p}" for p in ports}
+
+            def discovered() -> bool:
+                got = {t["labels"]["instance"]: t["labels"] for t in prom.targets("agora-node")}
+                return set(got) == want and {v["stage"] for v in got.values()} == {"0", "1"}
+
+            wait_for(f"targets {sorted(want)} discovered from the coordinator's file", discovered)
+            stop.set()
+            beating.join(timeout=10)
+            for key in keys:
+                reply = raw.call(key, LeaveRequest())
+                assert reply.TYPE == "ok", reply
+            wait_for(
+                "departed peers removed from the targets", lambda: not prom.targets("agora-node")
+            )
+            rules = wait_for("alert rules evaluated", lambda: _evaluated_rules(prom))
+            bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
+            assert not bad, f"alert rules failing to evaluate: {bad}"
+        finally:
+            prom.stop()
+    finally:
+        stop.set()
+        if beating.is_alive():
+            beating.join(timeout=10)
+        raw.close()
+
+
+def heartbeats(raw: RawPeer, keys: list[NodeKey], stop: threading.Event) -> None:
+    while not stop.wait(0.4):
+        for key in keys:
+            reply = raw.call(key, HeartbeatRequest())
+            assert reply.TYPE == "heartbeat.reply", reply
+
+
+def _evaluated_rules(prom: Prometheus) -> list[dict[str, Any]] | None:
+    rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+    return rules if rules and all(r["health"] != "unknown" for r in rules) else None
+
+
+def heartbeat_and_leave(raw: RawPeer, key: NodeKey) -> None:
+    reply = raw.call(key, HeartbeatRequest())
+    assert reply.TYPE == "heartbeat.reply", reply
+    reply = raw.call(key, LeaveRequest())
+    assert reply.TYPE == "ok", reply
+
+
+# --- cardinality ----------------------------------------------------------------------------
+
+
+def series_of(text: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    return {
+        (s.name, tuple(sorted(s.labels.items())))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@pytest.mark.slow
+def test_series_stay_bounded_as_1000_peers_come_and_go(coordinator: Coordinator) -> None:
+    raw = RawPeer(coordinator.port)
+    seen_ids: list[str] = []
+    counts: list[int] = []
+    try:
+        for batch in range(10):  # 10 x 100 peers: join (+ heartbeat), then leave or lapse
+            keys = [NodeKey.generate() for _ in range(100)]
+            for i, key in enumerate(keys):
+                reply = raw.call(key, JoinRequest(metrics_port=20000 + batch * 100 + i))
+                assert reply.TYPE == "join.reply", reply
+                seen_ids.append(key.peer_id)
+            wait_for(
+                "100 peers in the file SD",
+                lambda: (
+                    coordinator.sd_file.exists()
+                    and sum(len(g["targets"]) for g in json.loads(coordinator.sd_file.read_text()))
+                    == 100
+                ),
+            )
+            for i, key in enumerate(keys):
+                if batch % 2 == 0 or i % 2 == 0:  # the rest lapse past the 2 s TTL
+                    heartbeat_and_leave(raw, key)
+            wait_for(
+                "every peer of the batch gone",
+                lambda: (
+                    'agora_coordinator_peers{stage="0"} 0.0' in coordinator.metrics_text()
+                    and 'agora_coordinator_peers{stage="1"} 0.0' in coordinator.metrics_text()
+                ),
+            )
+            counts.append(len(series_of(coordinator.metrics_text())))
+    finally:
+        raw.close()
+    text = coordinator.metrics_text()
+    assert "agora_coordinator_joins_total 1000.0" in text
+    assert re.search(r'agora_coordinator_leaves_total\{reason="dead"\} [1-9]', text), text
+    for pid in seen_ids:
+        assert pid not in text, "a peer id appears in the coordinator's metrics"
+    assert json.loads(coordinator.sd_file.read_text()) == []
+    # The series set stops growing once every label value has been seen once.
+    assert counts[-1] == counts[2], counts
+    assert counts[-1] < 300, counts
