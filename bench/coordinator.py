@@ -1,0 +1,294 @@
+"""`agora bench coordinator --peers N --json FILE`: control-plane load test.
+
+Starts a real coordinator process (SQLite, `sync=full`: every group commit fsynced before
+replies go out) and `--procs` client processes over real sockets. Each client process
+multiplexes its share of the N simulated peers over a few pipelined connections: all
+peers join, then each heartbeats once per `--interval` seconds, while `--lease-peers`
+peers per process loop acquire -> 4 commits -> next lease. Reported: sustained
+heartbeats/s, lease ops/s, p50/p99 latency (send to reply) and `restart_s`, the seconds
+from spawning a coordinator on the same database after SIGKILL to its first answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from protocol import control as c
+from protocol.framing import FrameDecoder, frame_message
+from protocol.identity import NodeKey
+from protocol.message import Message
+from protocol.signing import sign_request
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Conn:
+    """One pipelined connection: replies come back in request order."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.pending: collections.deque[tuple[float, asyncio.Future[Message] | None, str]] = (
+            collections.deque()
+        )
+        self.lat: list[float] = []
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.measure = False
+
+    def send(self, key: NodeKey, body: Message, kind: str, want: bool = False):  # type: ignore[no-untyped-def]
+        fut = asyncio.get_running_loop().create_future() if want else None
+        self.pending.append((time.perf_counter(), fut, kind))
+        self.writer.write(frame_message(sign_request(key, body, now=time.time())))
+        return fut
+
+    async def read_loop(self) -> None:
+        dec = FrameDecoder()
+        while data := await self.reader.read(1 << 16):
+            for msg in dec.feed_messages(data):
+                t0, fut, kind = self.pending.popleft()
+                if isinstance(msg, c.ErrorReply):
+                    self.errors[msg.code] += 1
+                if self.measure:
+                    self.lat.append(time.perf_counter() - t0)
+                    self.counts[kind] += 1
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+
+async def worker(
+    port: int, n: int, conns: int, interval: float, duration: float, lease_peers: int
+) -> dict[str, object]:
+    keys = [NodeKey.generate() for _ in range(n)]
+    cs = []
+    for _ in range(conns):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        cs.append(Conn(r, w))
+    readers = [asyncio.create_task(x.read_loop()) for x in cs]
+    joins = []
+    for i, k in enumerate(keys):
+        joins.append(cs[i % conns].send(k, c.JoinRequest(throughput=1000.0), "join", want=True))
+        if i % 200 == 199:
+            await asyncio.gather(*joins)
+            joins = []
+    await asyncio.gather(*joins)
+    for x in cs:
+        x.measure = True
+    stop = time.perf_counter() + duration
+
+    async def lease_loop(i: int) -> None:
+        key, conn = keys[i], cs[i % conns]
+        while time.perf_counter() < stop:
+            g = await conn.send(key, c.LeaseAcquire(max_tokens=4096), "lease", want=True)
+            if not isinstance(g, c.LeaseGrant) or g.lease is None:
+                await asyncio.sleep(0.1)
+                continue
+            lease, step = g.lease, max(1, (g.lease.limit - g.lease.committed) // 4)
+            pos = lease.committed
+            while pos < lease.limit:
+                end = min(lease.limit, pos + step)
+                body = c.LeaseCommit(lease_id=lease.lease_id, epoch=lease.epoch, start=pos, end=end)
+                await conn.send(key, body, "lease", want=True)
+                pos = end
+
+    async def heartbeats() -> None:
+        per_tick, tick = n / interval * 0.02, 0.02
+        credit, idx = 0.0, 0
+        nxt = time.perf_counter()
+        while time.perf_counter() < stop:
+            credit += per_tick
+            while credit >= 1:
+                credit -= 1
+                conn = cs[idx % conns]
+                conn.send(keys[idx], c.HeartbeatRequest(), "heartbeat")
+                idx = (idx + 1) % n
+            nxt += tick
+            await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(heartbeats(), *(lease_loop(i) for i in range(min(lease_peers, n))))
+    deadline = time.perf_counter() + 10
+    while any(x.pending for x in cs) and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+    elapsed = time.perf_counter() - t0
+    for x in cs:
+        x.writer.close()
+    for t in readers:
+        t.cancel()
+    counts: collections.Counter[str] = collections.Counter()
+    errors: collections.Counter[str] = collections.Counter()
+    lat: list[float] = []
+    for x in cs:
+        counts.update(x.counts)
+        errors.update(x.errors)
+        lat += x.lat
+    return {"elapsed": elapsed, "counts": dict(counts), "errors": dict(errors), "lat": lat}
+
+
+def run_worker(argv: list[str]) -> int:
+    port, n, conns, interval, duration, lease_peers, out_path = argv
+    import uvloop
+
+    out = uvloop.run(
+        worker(int(port), int(n), int(conns), float(interval), float(duration), int(lease_peers))
+    )
+    Path(out_path).write_text(json.dumps(out))
+    return 0
+
+
+def start_coordinator(
+    tmp: Path, db: Path, env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], int, float]:
+    port_file = tmp / f"port-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.main",
+            "--config",
+            str(tmp / "run.toml"),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--db",
+            str(db),
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "coord.log", "a"),
+    )
+    deadline = time.monotonic() + 120
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"coordinator failed to start; see {tmp / 'coord.log'}")
+        time.sleep(0.01)
+    return proc, int(port_file.read_text()), t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        return run_worker(argv[1:])
+    p = argparse.ArgumentParser(prog="agora bench coordinator", description=__doc__)
+    p.add_argument("--peers", type=int, default=2000, help="simulated peers (2000)")
+    p.add_argument("--procs", type=int, default=2, help="client processes (2)")
+    p.add_argument("--conns", type=int, default=8, help="connections per client process (8)")
+    p.add_argument("--interval", type=float, default=5.0, help="heartbeat interval per peer, s (5)")
+    p.add_argument("--duration", type=float, default=30.0, help="measured seconds (30)")
+    p.add_argument("--lease-peers", type=int, default=20, help="lease-looping peers per process")
+    p.add_argument("--sync", choices=("full", "normal"), default="full", help="SQLite sync level")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        data = tmp / "data"
+        data.mkdir()
+        (data / "a.txt").write_bytes(os.urandom(3 << 20).hex().encode()[: 4 << 20])
+        (tmp / "run.toml").write_text(
+            f'dataset = "{data}"\nshard_tokens = 16384\nheartbeat_interval_s = {args.interval}\n'
+            f'lease_ttl_s = {max(30.0, 4 * args.interval)}\nsync = "{args.sync}"\n'
+            "rate_per_peer = 1000.0\nrate_burst = 1000.0\nmax_leases_per_peer = 4\n"
+            "min_grant_tokens = 1\n"
+        )
+        db = tmp / "bench.sqlite"
+        proc, port, _ = start_coordinator(tmp, db, env)
+        per = [
+            args.peers // args.procs + (1 if i < args.peers % args.procs else 0)
+            for i in range(args.procs)
+        ]
+        workers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.coordinator",
+                    "--worker",
+                    str(port),
+                    str(n),
+                    str(args.conns),
+                    str(args.interval),
+                    str(args.duration),
+                    str(args.lease_peers),
+                    str(tmp / f"w{i}.json"),
+                ],
+                cwd=REPO,
+                env=env,
+            )
+            for i, n in enumerate(per)
+        ]
+        results = []
+        for i, w in enumerate(workers):
+            if w.wait(timeout=args.duration + 600) != 0:
+                raise RuntimeError(f"bench worker {i} failed with exit code {w.returncode}")
+            results.append(json.loads((tmp / f"w{i}.json").read_text()))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc2, port2, t0 = start_coordinator(tmp, db, env)
+        from coordinator.status import fetch_status
+
+        while True:
+            try:
+                st = fetch_status("127.0.0.1", port2, timeout_s=5)
+                break
+            except OSError:
+                time.sleep(0.01)
+        restart_s = time.perf_counter() - t0
+        proc2.send_signal(signal.SIGTERM)
+        proc2.wait(timeout=60)
+    elapsed = max(float(r["elapsed"]) for r in results)
+    counts: collections.Counter[str] = collections.Counter()
+    errors: collections.Counter[str] = collections.Counter()
+    lat: list[float] = []
+    for r in results:
+        counts.update(r["counts"])
+        errors.update(r["errors"])
+        lat += r["lat"]
+    lat.sort()
+    q = statistics.quantiles(lat, n=100) if len(lat) >= 100 else [0.0] * 99
+    out = {
+        "peers": args.peers,
+        "peers_after_restart": st.peers,
+        "heartbeats_per_s": counts["heartbeat"] / elapsed,
+        "lease_ops_per_s": counts["lease"] / elapsed,
+        "p50_ms": q[49] * 1000,
+        "p99_ms": q[98] * 1000,
+        "restart_s": restart_s,
+        "duration_s": elapsed,
+        "errors": dict(errors),
+        "sync": args.sync,
+        "procs": args.procs,
+        "conns_per_proc": args.conns,
+        "target_heartbeats_per_s": args.peers / args.interval,
+    }
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="agora bench coordinator")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in out.items():
+        table.add_row(k, f"{v:.2f}" if isinstance(v, float) else str(v))
+    Console().print(table)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
