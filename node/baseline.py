@@ -40,7 +40,7 @@ from node.model import (
     save_export,
 )
 from node.plotting import Series, plot_series, write_csv
-from node.subspace import project_
+from node.subspace import project_, project_grads_
 from protocol.tensors import CODECS
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,10 @@ class ChainedStages(nn.Module):
         for stage in self.stage_list():
             project_(stage)
 
+    def project_grads_(self) -> None:
+        for stage in self.stage_list():
+            project_grads_(stage)
+
     def boundary_stats(self) -> list[BoundaryStats]:
         return [c.stats for c in self.codecs]
 
@@ -164,13 +168,14 @@ def evaluate(model: ChainedStages, batches: list[Batch]) -> float:
 def train_step(
     model: ChainedStages, opt: torch.optim.Optimizer, batch: Batch, lr: float, grad_clip: float
 ) -> float:
-    """One optimizer step, then re-projection onto span(U). Returns the batch loss."""
+    """One optimizer step between gradient and weight projection onto span(U); returns the loss."""
     for group in opt.param_groups:
         group["lr"] = lr
     x, y = batch
     loss = model(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    model.project_grads_()
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()

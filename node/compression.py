@@ -2,7 +2,8 @@
 
 Codecs (ids as in `protocol.tensors.CODECS`):
 - `raw`: fp32, the reference every ratio is measured against.
-- `fp16`: half precision; the encoder refuses values that overflow it.
+- `fp16`: half precision of the tensor over its absmax (fp32 scale), so neither small
+  gradients underflow nor large activations overflow.
 - `int8`: blockwise absmax int8 over the flattened tensor (blocks of 64, fp32 scales).
 - `subspace`: the k coefficients `c = U^T (h - E0[tokens])` in fp32 (forward) or
   `U^T g` (backward); needs the subspace parametrisation of node.subspace.
@@ -74,15 +75,22 @@ def decode_raw(enc: EncodedTensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def encode_fp16(t: torch.Tensor) -> EncodedTensor:
-    half = t.detach().to(torch.float16)
-    if not bool(torch.isfinite(half).all()):
-        raise ValueError("fp16 codec: tensor holds values outside the float16 range")
-    return EncodedTensor(codec="fp16", shape=list(t.shape), parts=[_frame(half)])
+    t = t.detach().float()
+    top = t.abs().max() if t.numel() else torch.tensor(0.0)
+    if not bool(torch.isfinite(top)):
+        raise ValueError("fp16 codec: tensor holds NaN or Inf")
+    scale = top.reshape(1).clamp_min(1e-30)
+    half = (t / scale).to(torch.float16)
+    return EncodedTensor(codec="fp16", shape=list(t.shape), parts=[_frame(half), _frame(scale)])
 
 
 def decode_fp16(enc: EncodedTensor, shape: tuple[int, ...]) -> torch.Tensor:
-    _check_header(enc, "fp16", shape, 1)
-    return _part(enc, 0, "float16", shape).float()
+    _check_header(enc, "fp16", shape, 2)
+    half = _part(enc, 0, "float16", shape)
+    scale = _part(enc, 1, "float32", (1,))
+    if float(scale[0]) < 0:
+        raise ProtocolError("fp16: negative scale")
+    return _finite(half.float() * scale, "fp16")
 
 
 def encode_int8(t: torch.Tensor, block: int = INT8_BLOCK) -> EncodedTensor:

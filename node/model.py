@@ -14,7 +14,8 @@ Interface for the pipeline (and for the central trainer, which uses one stage):
   nats per byte, and `stage(x)` returns logits [B, T, 256].
 - With `config.subspace_rank > 0` the stage carries the run's basis U and frozen
   embedding E0 (node.subspace) and the residual stream is `E0[tokens] + U c`; call
-  `node.subspace.project_(stage)` after every optimizer step to keep it so.
+  `node.subspace.project_grads_(stage)` before and `node.subspace.project_(stage)` after
+  every optimizer step to keep it so.
 
 State-dict keys are global (`blocks.<layer>.…`), so the full model's weights are the
 union of its stages' and a stage loads its slice from a full export with

@@ -4,7 +4,8 @@ Every peer derives, from (run seed, d, k) alone, the same orthonormal basis `U` 
 the same frozen random token embedding `E0` (256, d). The learnt token embedding and every
 write into the residual stream (attention output projection, MLP down projection) are
 kept inside span(U) by `project_(stage)` after each optimizer step (and once at build
-time). The residual stream at every depth is then `E0[tokens] + U c`, so a boundary needs
+time); `project_grads_(stage)` before each step keeps the update inside it too. The
+residual stream at every depth is then `E0[tokens] + U c`, so a boundary needs
 to send only the k coefficients `c` (plus the tokens) forward and `U^T g` backward.
 """
 
@@ -103,3 +104,24 @@ def project_(stage: SubspaceStage) -> None:
         w.copy_(u @ (u.T @ w))
     for e in stage.embedding_weights():
         e.copy_((e @ u) @ u.T)
+
+
+@torch.no_grad()
+def project_grads_(stage: SubspaceStage) -> None:
+    """Project the gradients of the residual writes and embedding onto span(U), in place.
+
+    Call before every optimizer step. The out-of-span part of these gradients is what a
+    compressed boundary (`U^T g`) does not carry, and projection after the step would
+    discard its effect anyway; removing it first makes a pipeline with subspace
+    boundaries compute exactly the gradients of the unsplit model.
+    """
+    sub = stage.subspace
+    if sub is None:
+        return
+    u = sub.basis
+    for w in stage.residual_writes():
+        if w.grad is not None:
+            w.grad.copy_(u @ (u.T @ w.grad))
+    for e in stage.embedding_weights():
+        if e.grad is not None:
+            e.grad.copy_((e.grad @ u) @ u.T)
