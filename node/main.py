@@ -139,3 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         start_http_server(cfg.metrics_port)
     return trio.run(_run, cfg, key, device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

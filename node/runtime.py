@@ -17,37 +17,26 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import trio
 
 from node import metrics
 from node.config import NodeConfig
-from node.coordinator_client import CoordinatorClient, CoordinatorError
+from node.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    FencedError,
+)
 from node.lease_progress import LeaseProgress
 from node.model import preset
 from node.p2p.transport import Transport, TransportError
 from node.routing import Router
 from node.stage_compute import InnerConfig, StageCompute, throughput_probe
 from node.worker import TorchWorker
-from protocol.control import (
-    HeartbeatRequest,
-    JoinReply,
-    JoinRequest,
-    LeaseAcquire,
-    LeaseCommit,
-    LeaseGrant,
-    LeaseInfo,
-    LeaseRef,
-    LeaseRelease,
-    LeaveRequest,
-    MembershipReply,
-    MembershipRequest,
-    PeerInfo,
-    ShardData,
-    ShardFetch,
-)
-from protocol.corpus import ShardInfo, verify_shard
+from protocol.control import HeartbeatReply, JoinReply, JoinRequest, LeaseInfo, LeaseRef, PeerInfo
 from protocol.errors import ProtocolError
 from protocol.message import Message
 from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
@@ -111,8 +100,8 @@ class Node:
             log.info("node: draining (finishing in-flight micro-batches, then leaving)")
             self._draining.set()
 
-    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self.join = await self.client.call(
+    async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.join = await self.client.join(
             JoinRequest(
                 addrs=self.transport.listen_addrs,
                 device=self.device,
@@ -120,8 +109,7 @@ class Node:
                 stage=self.cfg.stage,
                 join_token=self.cfg.join_token,
                 metrics_port=self.cfg.metrics_port or None,
-            ),
-            expect=JoinReply,
+            )
         )
         run = self.join.run
         log.info(
@@ -129,6 +117,28 @@ class Node:
             run.run_id, self.join.peer_id, self.stage, run.n_stages, run.model_preset, run.codec,
         )  # fmt: skip
         metrics.STAGE.set(self.stage)
+        try:
+            async with trio.open_nursery() as nursery:
+                # Heartbeats start first: building the stage may take longer than the TTL.
+                nursery.start_soon(self._heartbeat_loop)
+                await self._build_stage()
+                await self._refresh_membership()
+                nursery.start_soon(self._membership_loop)
+                if self.cfg.deadline is not None:
+                    nursery.start_soon(self._deadline_watch)
+                task_status.started()
+                if self.stage == 0:
+                    await self._drive()
+                else:
+                    await self._draining.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            await self._leave()
+            self.worker.close()
+
+    async def _build_stage(self) -> None:
+        assert self.join is not None
+        run = self.join.run
         model_cfg = preset(run.model_preset).replace(seed=run.seed)
         inner = InnerConfig(
             lr=self.cfg.lr,
@@ -145,22 +155,7 @@ class Node:
         )
         self.transport.set_handler(FORWARD_PROTOCOL, self._serve_forward)
         self.transport.set_membership(lambda peer: peer in self.members)  # type: ignore[attr-defined]
-        await self._refresh_membership()
-        task_status.started()
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._heartbeat_loop)
-                nursery.start_soon(self._membership_loop)
-                if self.cfg.deadline is not None:
-                    nursery.start_soon(self._deadline_watch)
-                if self.stage == 0:
-                    await self._drive()
-                else:
-                    await self._draining.wait()
-                nursery.cancel_scope.cancel()
-        finally:
-            await self._leave()
-            self.worker.close()
+        log.info("node: stage %d built; %.0f tokens/s measured", self.stage, self.throughput)
 
     async def _leave(self) -> None:
         with trio.move_on_after(self.cfg.drain_timeout_s) as scope:
@@ -168,9 +163,9 @@ class Node:
             for lease in list(self.leases.values()):
                 await self._release(lease)
             try:
-                await self.client.call(LeaveRequest(), expect=Message)
+                await self.client.leave()
                 log.info("node: left the run")
-            except (CoordinatorError, OSError, trio.TooSlowError) as exc:
+            except (CoordinatorError, CoordinatorUnavailable) as exc:
                 log.warning("node: could not say goodbye to the coordinator: %s", exc)
 
     async def _deadline_watch(self) -> None:
@@ -184,35 +179,31 @@ class Node:
     # --- coordinator loops -----------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        assert self.join is not None
-        interval = self.join.run.heartbeat_interval_s
-        while True:
-            await trio.sleep(interval)
-            t0 = time.perf_counter()
-            try:
-                reply = await self.client.heartbeat(
-                    HeartbeatRequest(
-                        leases=[
-                            LeaseRef(lease_id=i, epoch=le.epoch) for i, le in self.leases.items()
-                        ],
-                        throughput=self.throughput,
-                        loss=self.stats.loss,
-                        tokens=self.compute.tokens_trained if self.compute else 0,
-                    )
-                )
-            except CoordinatorError as exc:
-                log.warning("node: heartbeat failed (%s); retrying", exc)
-                continue
-            metrics.HEARTBEAT_SECONDS.observe(time.perf_counter() - t0)
-            for ref in reply.fenced:
-                if ref.lease_id in self.leases:
-                    log.warning("node: lease %d was fenced; dropping its work", ref.lease_id)
-                    self._fenced.add(ref.lease_id)
-                    self.leases.pop(ref.lease_id, None)
-            if reply.drain:
-                self.drain()
-            if reply.membership_version != self.membership_version:
-                await self._refresh_membership()
+        await self.client.heartbeat_loop(
+            lambda: [LeaseRef(lease_id=i, epoch=le.epoch) for i, le in self.leases.items()],
+            on_reply=self._on_heartbeat,
+            on_rejoin=self._on_rejoin,
+        )
+
+    async def _on_heartbeat(self, reply: HeartbeatReply) -> None:
+        for ref in reply.fenced:
+            if ref.lease_id in self.leases:
+                log.warning("node: lease %d was fenced; dropping its work", ref.lease_id)
+                self._fenced.add(ref.lease_id)
+                self.leases.pop(ref.lease_id, None)
+        if reply.drain:
+            self.drain()
+        if reply.membership_version != self.membership_version:
+            await self._refresh_membership()
+
+    async def _on_rejoin(self, joined: JoinReply) -> None:
+        # A lapsed membership means our leases were fenced; drop them all.
+        for lease_id in list(self.leases):
+            self._fenced.add(lease_id)
+        self.leases.clear()
+        if joined.stage != self.stage:
+            log.warning("node: re-joined on stage %d, not %d; leaving", joined.stage, self.stage)
+            self.drain()
 
     async def _membership_loop(self) -> None:
         assert self.join is not None
@@ -220,23 +211,17 @@ class Node:
             await trio.sleep(max(1.0, self.join.run.heartbeat_interval_s))
             try:
                 await self._refresh_membership()
-            except CoordinatorError as exc:
+            except (CoordinatorError, CoordinatorUnavailable) as exc:
                 log.debug("node: membership refresh failed: %s", exc)
 
     async def _refresh_membership(self) -> None:
-        reply = await self.client.call(
-            MembershipRequest(since=self.membership_version), expect=MembershipReply
-        )
-        if reply.full:
-            self.members = {}
-        for peer in reply.peers:
-            self.members[peer.peer_id] = peer
-            if peer.addrs:
+        view = await self.client.membership()
+        for peer in view.peers.values():
+            if peer.addrs and peer.peer_id not in self.members:
                 self.transport.add_peer_addrs(peer.peer_id, peer.addrs)
-        for peer_id in reply.left:
-            self.members.pop(peer_id, None)
+        self.members = dict(view.peers)
         self.router.forget(set(self.members))
-        self.membership_version = reply.version
+        self.membership_version = view.version
 
     def _next_stage_peers(self) -> list[str]:
         want = self.stage + 1
@@ -255,8 +240,8 @@ class Node:
                 self.drain()
                 break
             try:
-                grant = await self.client.call(LeaseAcquire(), expect=LeaseGrant)
-            except CoordinatorError as exc:
+                grant = await self.client.acquire_grant()
+            except (CoordinatorError, CoordinatorUnavailable) as exc:
                 log.warning("node: lease request failed: %s", exc)
                 await trio.sleep(IDLE_WAIT_S)
                 continue
@@ -269,14 +254,10 @@ class Node:
 
     async def _shard(self, shard_id: int) -> bytes:
         if shard_id not in self._shards:
-            data = await self.client.call(ShardFetch(shard_id=shard_id), expect=ShardData)
-            verify_shard(
-                data.data,
-                ShardInfo(shard_id=shard_id, start=0, tokens=len(data.data), sha256=data.sha256),
-            )
+            data = await self.client.fetch_shard(shard_id)  # sha256-checked
             if len(self._shards) >= 4:
                 self._shards.pop(next(iter(self._shards)))
-            self._shards[shard_id] = data.data
+            self._shards[shard_id] = data
         return self._shards[shard_id]
 
     async def _train_lease(self, lease: LeaseInfo) -> None:
@@ -419,30 +400,21 @@ class Node:
         if point <= progress.committed or lease.lease_id in self._fenced:
             return
         try:
-            await self.client.call(
-                LeaseCommit(
-                    lease_id=lease.lease_id, epoch=lease.epoch, start=progress.committed, end=point
-                ),
-                expect=Message,
-            )
-        except CoordinatorError as exc:
-            if exc.code == "fenced":
-                log.warning("node: lease %d fenced at commit: %s", lease.lease_id, exc)
-                self._fenced.add(lease.lease_id)
-                self.leases.pop(lease.lease_id, None)
-                return
-            raise
+            await self.client.commit(lease, progress.committed, point)
+        except FencedError as exc:
+            log.warning("node: lease %d fenced at commit: %s", lease.lease_id, exc)
+            self._fenced.add(lease.lease_id)
+            self.leases.pop(lease.lease_id, None)
+            return
         metrics.COMMITTED.inc(point - progress.committed)
         self.stats.tokens_committed += point - progress.committed
         progress.accept(point)
 
     async def _release(self, lease: LeaseInfo) -> None:
         try:
-            await self.client.call(
-                LeaseRelease(lease_id=lease.lease_id, epoch=lease.epoch), expect=Message
-            )
+            await self.client.release(lease)
             log.info("node: released lease %d", lease.lease_id)
-        except (CoordinatorError, OSError) as exc:
+        except (CoordinatorError, CoordinatorUnavailable) as exc:
             log.warning("node: could not release lease %d: %s", lease.lease_id, exc)
         self.leases.pop(lease.lease_id, None)
 

@@ -9,7 +9,9 @@ a bounded activation cache. The trio side calls:
 - `backward(mb_id, tokens, hidden, grad)`: finish a micro-batch with the gradient from
   the next stage. A cache miss (evicted, or a retry served by another replica)
   recomputes the forward from the encoded input the caller still holds: the stateless
-  fallback of DESIGN.md section 5.
+  fallback of DESIGN.md section 5. So does a cache entry older than the last inner step
+  (the weights it was computed with have changed in place): the gradient is then taken
+  at the current weights, against a downstream gradient computed one step earlier.
 - `drop(mb_id)`: forget a micro-batch whose route failed.
 
 Gradients of finished micro-batches accumulate until `inner_batch_tokens` tokens have
@@ -65,7 +67,8 @@ class StageCompute:
         self.opt = torch.optim.AdamW(
             param_groups(self.model, inner.weight_decay), lr=inner.lr, betas=(0.9, 0.95)
         )
-        self._cache: OrderedDict[str, tuple[torch.Tensor | None, torch.Tensor]] = OrderedDict()
+        # mb_id -> (decoded input or None on stage 0, output, inner step it was computed at)
+        self._cache: OrderedDict[str, tuple[torch.Tensor | None, torch.Tensor, int]] = OrderedDict()
         self._pending_tokens = 0  # tokens whose gradients are accumulated, not yet stepped
         self._pending_mbs = 0
         self.inner_steps = 0
@@ -114,7 +117,7 @@ class StageCompute:
             self._finished(inputs.numel())
             return grad, float(loss.item())
         out = self.model(x)
-        self._cache[mb_id] = (x if not self.is_first else None, out)
+        self._cache[mb_id] = (x if not self.is_first else None, out, self.inner_steps)
         while len(self._cache) > self.inner.cache_size:
             self._cache.popitem(last=False)
         assert self.codec_out is not None
@@ -131,13 +134,18 @@ class StageCompute:
         assert self.codec_out is not None
         g = self.codec_out.decode_backward(grad, inputs).to(self.device)
         cached = self._cache.pop(mb_id, None)
-        if cached is None:
-            self.recomputes += 1
-            x = self._input(inputs, hidden)
-            out = self.model(x)
+        if cached is not None and cached[2] == self.inner_steps:
+            x = inputs if cached[0] is None else cached[0]
+            out = cached[1]
         else:
-            x_cached, out = cached
-            x = inputs if x_cached is None else x_cached
+            # Evicted, or the weights moved since the forward (an inner step ran while
+            # the micro-batch was downstream): recompute at the current weights.
+            self.recomputes += 1
+            if cached is not None and cached[0] is not None:
+                x = cached[0].detach().requires_grad_(True)
+            else:
+                x = self._input(inputs, hidden)
+            out = self.model(x)
         out.backward(g)
         self._finished(inputs.numel())
         return self._grad_in(x, inputs)

@@ -22,7 +22,7 @@ from pathlib import Path
 import trio
 
 from node.coordinator_client import CoordinatorClient
-from protocol.control import StatusReply, StatusRequest
+from protocol.control import StatusReply
 from protocol.identity import NodeKey
 
 _METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+0-9.eEinfINFNa]+)$")
@@ -108,7 +108,7 @@ class LocalSwarm:
             "--host", "127.0.0.1", "--port", str(self._port or 0),
             "--port-file", str(port_file),
             "--db", str(self.db),
-            "--preset", self.preset, "--stages", str(self.stages), "--codec", self.codec,
+            "--config", str(self._run_toml()),
             *self.coordinator_args,
         ]  # fmt: skip
         popen, log = self._spawn("coordinator", args)
@@ -127,6 +127,15 @@ class LocalSwarm:
         return self.address
 
     _port: int = 0
+
+    def _run_toml(self) -> Path:
+        path = self.workdir / "run.toml"
+        path.write_text(
+            f'run_id = "local-swarm"\nmodel_preset = "{self.preset}"\n'
+            f'n_stages = {self.stages}\ncodec = "{self.codec}"\n'
+            f"heartbeat_interval_s = 1.0\nlease_ttl_s = 10.0\n"
+        )
+        return path
 
     def add_node(self, name: str, stage: int | None = None, *extra: str) -> Proc:
         metrics_port = free_port()
@@ -149,9 +158,7 @@ class LocalSwarm:
         async def ask() -> StatusReply:
             with trio.fail_after(timeout_s):
                 async with CoordinatorClient(host, int(port), NodeKey.generate()) as client:
-                    reply = await client.call(StatusRequest(), expect=StatusReply)
-                    assert isinstance(reply, StatusReply)
-                    return reply
+                    return await client.status()
 
         return trio.run(ask)
 
