@@ -24,6 +24,7 @@ class NodeConfig:
     identity: Path = Path("~/.config/agora/node.key")  # ed25519 seed file, created on first run
     listen: str = "/ip4/127.0.0.1/tcp/0"  # libp2p listen multiaddr (port 0 = OS-chosen)
     metrics_port: int | None = None  # Prometheus endpoint port (0 = OS-chosen, None = off)
+    metrics_host: str = "127.0.0.1"  # address the Prometheus endpoint listens on
     deadline: float | None = None  # unix seconds by which the node must have left
     join_token: str = ""  # for runs with auth mode "token"
     micro_batch: int = 8  # sequences per micro-batch

@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(cfg.metrics_port)
+        server, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
+        cfg.metrics_port = int(server.server_port)  # the bound port, announced in the join
+        print(f"agora-node metrics on {cfg.metrics_host}:{cfg.metrics_port}", flush=True)
     return trio.run(_run, cfg, key, device)
 
 
