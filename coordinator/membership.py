@@ -32,6 +32,7 @@ class Peer:
     public_key: bytes
     stage: int
     addrs: list[str]
+    dht_addrs: list[str]
     device: str
     throughput: float  # tokens/s
     deadline: float | None  # unix seconds
@@ -49,7 +50,7 @@ class Peer:
             self.peer_id,
             self.public_key,
             self.stage,
-            json.dumps(self.addrs),
+            json.dumps({"p2p": self.addrs, "dht": self.dht_addrs}),
             self.device,
             self.throughput,
             self.deadline,
@@ -65,11 +66,13 @@ class Peer:
     @classmethod
     def from_row(cls, r: tuple[Any, ...]) -> Peer:
         (pid, pk, stage, addrs, device, thr, dl, mh, mp, fixed, joined, exp, state, drain) = r
+        book = json.loads(addrs)
         return cls(
             pid,
             bytes(pk),
             int(stage),
-            list(json.loads(addrs)),
+            list(book["p2p"]),
+            list(book["dht"]),
             device,
             float(thr),
             dl,
@@ -87,6 +90,7 @@ class Peer:
             peer_id=self.peer_id,
             stage=self.stage,
             addrs=self.addrs,
+            dht_addrs=self.dht_addrs,
             device=self.device,
             throughput=self.throughput,
             deadline=self.deadline,

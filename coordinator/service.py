@@ -24,7 +24,7 @@ from protocol.corpus import Manifest, ShardInfo
 from protocol.errors import ProtocolError
 from protocol.identity import peer_id_from_public_key, verify_signature
 from protocol.message import Message
-from protocol.signing import ReplayGuard, SignedRequest, _signed_bytes
+from protocol.signing import ReplayGuard, SignedRequest, signed_bytes
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class Service:
         if peer is None:
             if isinstance(body, c.LeaseCommit | c.LeaseComplete | c.LeaseRelease):
                 # a lapsed holder's lease calls are answered by the lease book: `fenced`
-                stub = Peer(peer_id, key, 0, [], "", 0.0, None, None, None, False, now, now)
+                stub = Peer(peer_id, key, 0, [], [], "", 0.0, None, None, None, False, now, now)
                 return handler(stub, body, now)
             return _err("not_member", "not a live member (membership lapsed?): join first")
         return handler(peer, body, now)
@@ -198,6 +198,7 @@ class Service:
             public_key=key,
             stage=stage,
             addrs=list(req.addrs),
+            dht_addrs=list(req.dht_addrs),
             device=req.device,
             throughput=req.throughput,
             deadline=req.deadline,
@@ -372,7 +373,7 @@ class Service:
         self.book.release_holder(req.peer_id, now, expired=True)
         peer = self.membership.remove(req.peer_id, BANNED)
         if peer is None:  # not live: record the ban anyway
-            peer = Peer(req.peer_id, b"", 0, [], "", 0.0, None, None, None, False, now, now)
+            peer = Peer(req.peer_id, b"", 0, [], [], "", 0.0, None, None, None, False, now, now)
             peer.state = BANNED
             self.journal.peers[req.peer_id] = peer
         self.metrics.leaves.labels(BANNED).inc()
@@ -423,4 +424,4 @@ class Service:
 
 def _signed(req: SignedRequest) -> bytes:
     # verify the signature apart from the replay check so each gets its own error code
-    return _signed_bytes(req.key, req.ts, req.nonce, req.body)
+    return signed_bytes(req.key, req.ts, req.nonce, req.body)

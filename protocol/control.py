@@ -113,6 +113,7 @@ class PeerInfo(Message):
     peer_id: str = bounded(max_len=PEER_ID_LEN)
     stage: int = bounded(ge=0)
     addrs: list[str] = bounded(max_len=MAX_ADDRS)  # libp2p multiaddrs
+    dht_addrs: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)  # hivemind DHT
     device: str = bounded(max_len=64)
     throughput: float = bounded(ge=0.0)  # tokens/s
     deadline: float | None = bounded(ge=0.0, default=None)  # unix seconds
@@ -157,6 +158,8 @@ class JoinRequest(Message):
     """Become a member. The identity is the signing key of the enclosing SignedRequest."""
 
     addrs: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)  # libp2p multiaddrs
+    # hivemind DHT multiaddrs of the node's outer-loop process (bootstrap for others)
+    dht_addrs: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)
     device: str = bounded(max_len=64, default="cpu")
     throughput: float = bounded(ge=0.0, le=1e12, default=0.0)  # measured tokens/s
     deadline: float | None = bounded(ge=0.0, default=None)  # unix seconds (batch jobs)

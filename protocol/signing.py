@@ -30,14 +30,14 @@ class SignedRequest(Message):
     sig: bytes = bounded(min_len=64, max_len=64)
 
 
-def _signed_bytes(key: bytes, ts: float, nonce: bytes, body: bytes) -> bytes:
+def signed_bytes(key: bytes, ts: float, nonce: bytes, body: bytes) -> bytes:
     return _DOMAIN + key + struct.pack(">d", ts) + nonce + body
 
 
 def sign_request(node_key: NodeKey, body: Message, *, now: float) -> SignedRequest:
     raw = encode(body)
     nonce = os.urandom(NONCE_SIZE)
-    sig = node_key.sign(_signed_bytes(node_key.public_key, now, nonce, raw))
+    sig = node_key.sign(signed_bytes(node_key.public_key, now, nonce, raw))
     return SignedRequest(key=node_key.public_key, ts=now, nonce=nonce, body=raw, sig=sig)
 
 
@@ -75,6 +75,6 @@ def verify_request(
     max_size: int = DEFAULT_MAX_FRAME,
 ) -> Message:
     """Check signature, time window and replay; return the decoded body."""
-    verify_signature(req.key, req.sig, _signed_bytes(req.key, req.ts, req.nonce, req.body))
+    verify_signature(req.key, req.sig, signed_bytes(req.key, req.ts, req.nonce, req.body))
     guard.check(req.key, req.nonce, req.ts, now)
     return decode(req.body, max_size=max_size)
