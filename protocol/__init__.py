@@ -5,7 +5,7 @@ Public contract: `encode(msg) -> bytes`, `decode(data) -> Message`; anything mal
 raises `ProtocolError` and nothing else.
 """
 
-from protocol import control, dataplane, pipeline
+from protocol import control, dataplane, launch, pipeline
 from protocol.codec import DEFAULT_MAX_FRAME, decode, encode, packb, unpackb
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame, frame_message
@@ -31,6 +31,7 @@ __all__ = [
     "encode",
     "frame",
     "frame_message",
+    "launch",
     "message",
     "packb",
     "pipeline",
