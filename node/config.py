@@ -39,6 +39,10 @@ class NodeConfig:
     activation_cache: int = 16  # micro-batches whose activations are kept for backward
     drain_timeout_s: float = 30.0  # seconds to finish in-flight work on shutdown
     max_tokens: int | None = None  # stop after committing this many tokens (None = run on)
+    outer_every_steps: int = 25  # inner steps between DiLoCo outer rounds (0 = no outer loop)
+    outer_compression: str = "fp16"  # pseudo-gradient codec: none | fp16 | uint8
+    outer_matchmaking_s: float = 3.0  # seconds to gather replicas for a round
+    outer_timeout_s: float = 20.0  # seconds an outer round may take once a group formed
 
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator.rpartition(":")
@@ -56,6 +60,8 @@ class NodeConfig:
                 f"activation_cache ({self.activation_cache}) must hold at least in_flight"
                 f" ({self.in_flight}) micro-batches"
             )
+        if self.outer_every_steps < 0:
+            raise ValueError(f"outer_every_steps must be >= 0, got {self.outer_every_steps}")
         if self.request_timeout_s <= 0 or self.drain_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
         if self.deadline is not None and self.deadline <= time.time():

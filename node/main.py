@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--join-token", default=None, help="token for closed runs (auth mode token)")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after committing N tokens")
+    p.add_argument(
+        "--outer-every-steps", type=int, default=None,
+        help="inner steps between DiLoCo outer rounds (default 25; 0 disables the outer loop)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p.parse_args(argv)
 
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 "deadline": args.deadline,
                 "join_token": args.join_token,
                 "max_tokens": args.max_tokens,
+                "outer_every_steps": args.outer_every_steps,
             },
         )
         key = load_identity(cfg.identity)

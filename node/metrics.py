@@ -23,6 +23,18 @@ COMPRESSION = Gauge(
 )
 INNER_STEPS = Counter("agora_node_inner_steps_total", "Inner optimizer steps")
 OUTER_STEPS = Counter("agora_node_outer_steps_total", "Outer (DiLoCo) steps applied")
+OUTER_ROUNDS = Counter(
+    "agora_node_outer_rounds_total",
+    "Outer rounds by outcome",
+    ["result"],  # ok | failed
+)
+OUTER_ROUND_SECONDS = Histogram(
+    "agora_node_outer_round_seconds",
+    "Outer round duration, from snapshot to the merged result",
+    buckets=(0.5, 1, 2, 5, 10, 20, 60, 120),
+)
+OUTER_GROUP_SIZE = Gauge("agora_node_outer_group_size", "Replicas averaged in the last outer round")
+OUTER_BYTES = Counter("agora_node_outer_bytes_total", "Pseudo-gradient bytes sent on the wire")
 STAGE = Gauge("agora_node_stage", "Pipeline stage this node serves")
 MB_SECONDS = Histogram(
     "agora_node_microbatch_seconds",

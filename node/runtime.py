@@ -32,6 +32,8 @@ from node.coordinator_client import (
 )
 from node.lease_progress import LeaseProgress
 from node.model import preset
+from node.outer_link import OuterConfig, RoundResult
+from node.outer_rounds import OuterRounds, Snapshot
 from node.p2p.transport import Transport, TransportError
 from node.routing import Router
 from node.stage_compute import InnerConfig, StageCompute, throughput_probe
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 1024  # sequences per micro-batch a peer may send us
 IDLE_WAIT_S = 0.5  # seconds between polls when there is nothing to do
+OUTER_POLL_S = 0.2  # seconds between checks on the outer round
 
 
 @dataclass(slots=True)
@@ -85,6 +88,10 @@ class Node:
         self._draining = trio.Event()  # stop taking new work
         self._shards: dict[int, bytes] = {}  # shard bytes cache (bounded below)
         self._bytes_seen: dict[str, int] = {}  # codec byte counts already in the metrics
+        self._progress: dict[int, LeaseProgress] = {}  # stage 0: progress of held leases
+        self._commit_lock = trio.Lock()  # commits of one node go out in order
+        self.outer: OuterRounds | None = None  # None when outer_every_steps = 0
+        self._dht_bootstrap = ""  # peer id whose DHT our outer process joined (or ours)
         self.throughput = 0.0  # measured tokens/s of this stage
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -123,6 +130,9 @@ class Node:
                 nursery.start_soon(self._heartbeat_loop)
                 await self._build_stage()
                 await self._refresh_membership()
+                if self.cfg.outer_every_steps > 0:
+                    await self._start_outer()
+                    nursery.start_soon(self._outer_loop)
                 nursery.start_soon(self._membership_loop)
                 if self.cfg.deadline is not None:
                     nursery.start_soon(self._deadline_watch)
@@ -131,10 +141,93 @@ class Node:
                     await self._drive()
                 else:
                     await self._draining.wait()
+                if self.outer is not None:
+                    # Finish the outer round so the last progress (and its commits) lands.
+                    await self.outer.finish(self.cfg.drain_timeout_s)
                 nursery.cancel_scope.cancel()
         finally:
             await self._leave()
+            if self.outer is not None:
+                await trio.to_thread.run_sync(self.outer.close)
             self.worker.close()
+
+    def _dht_root(self) -> PeerInfo | None:
+        """The run's canonical DHT bootstrap: the member with the smallest peer id that
+        announces a DHT. Nodes that started at the same moment each began a DHT of their
+        own; before their first round they all move to the root's, so groups can form."""
+        return min(
+            (p for p in self.members.values() if p.dht_addrs), key=lambda p: p.peer_id, default=None
+        )
+
+    async def _outer_loop(self) -> None:
+        while True:
+            await trio.sleep(OUTER_POLL_S)
+            assert self.outer is not None
+            root = self._dht_root()
+            if (
+                self.outer.rounds == 0
+                and not self.outer.in_flight
+                and root is not None
+                and root.peer_id not in (self._dht_bootstrap, self.transport.peer_id)
+            ):
+                log.info(
+                    "outer: moving to the run's DHT at %s before the first round", root.peer_id
+                )
+                old, self.outer = self.outer, None
+                await trio.to_thread.run_sync(old.close)
+                await self._start_outer()
+                assert self.outer is not None
+            await self.outer.tick()
+
+    async def _start_outer(self) -> None:
+        """Start the hivemind outer loop, load the stage's state, announce its DHT."""
+        assert self.join is not None and self.compute is not None
+        me = self.transport.peer_id
+        root = self._dht_root()
+        if root is not None and root.peer_id == me:
+            root = None
+        bootstrap = root.dht_addrs if root is not None else []
+        self._dht_bootstrap = root.peer_id if root is not None else me
+        replicas = [p for p in self.members.values() if p.peer_id != me and p.stage == self.stage]
+        self.outer = await OuterRounds.start(
+            self.worker,
+            self.compute,
+            run_id=self.join.run.run_id,
+            stage=self.stage,
+            initial_peers=bootstrap,
+            config=OuterConfig(
+                compression=self.cfg.outer_compression,
+                matchmaking_s=self.cfg.outer_matchmaking_s,
+                request_timeout_s=min(1.0, self.cfg.outer_matchmaking_s / 2),
+                round_timeout_s=self.cfg.outer_timeout_s,
+            ),
+            every_steps=self.cfg.outer_every_steps,
+            snapshot=self._commit_snapshot,
+            on_applied=self._outer_applied,
+        )
+        await self.outer.load_state(replicas_exist=any(p.dht_addrs for p in replicas))
+        # Re-join on the same stage with the DHT addresses, so later nodes can bootstrap.
+        assert self.client.join_request is not None
+        req = self.client.join_request
+        self.join = await self.client.join(
+            JoinRequest(
+                addrs=req.addrs, dht_addrs=self.outer.link.dht_addrs(), device=req.device,
+                deadline=req.deadline, stage=self.stage, join_token=req.join_token,
+                metrics_port=req.metrics_port,
+            )
+        )  # fmt: skip
+
+    def _commit_snapshot(self) -> Snapshot:
+        """Commit points the round being started will cover (stage 0 only)."""
+        return {lease_id: p.commit_point() for lease_id, p in self._progress.items()}
+
+    async def _outer_applied(self, result: RoundResult, snapshot: Snapshot) -> None:
+        """The round's snapshot is in the global state: commit what it covered."""
+        for lease_id, point in snapshot.items():
+            lease = self.leases.get(lease_id)
+            progress = self._progress.get(lease_id)
+            if lease is not None and progress is not None:
+                await self._commit(lease, progress, upto=point)
 
     async def _build_stage(self) -> None:
         assert self.join is not None
@@ -189,8 +282,7 @@ class Node:
         for ref in reply.fenced:
             if ref.lease_id in self.leases:
                 log.warning("node: lease %d was fenced; dropping its work", ref.lease_id)
-                self._fenced.add(ref.lease_id)
-                self.leases.pop(ref.lease_id, None)
+                self._forget_lease(ref.lease_id, fenced=True)
         if reply.drain:
             self.drain()
         if reply.membership_version != self.membership_version:
@@ -199,8 +291,7 @@ class Node:
     async def _on_rejoin(self, joined: JoinReply) -> None:
         # A lapsed membership means our leases were fenced; drop them all.
         for lease_id in list(self.leases):
-            self._fenced.add(lease_id)
-        self.leases.clear()
+            self._forget_lease(lease_id, fenced=True)
         if joined.stage != self.stage:
             log.warning("node: re-joined on stage %d, not %d; leaving", joined.stage, self.stage)
             self.drain()
@@ -264,8 +355,8 @@ class Node:
         self.leases[lease.lease_id] = lease
         shard = await self._shard(lease.shard_id)
         progress = LeaseProgress(committed=lease.committed, end=lease.limit)
+        self._progress[lease.lease_id] = progress
         mb_tokens = self.cfg.micro_batch * self.cfg.seq_len
-        commit_lock = trio.Lock()
         slots = trio.Semaphore(self.cfg.in_flight)
         log.info(
             "node: training lease %d (shard %d, tokens %d..%d, epoch %d)",
@@ -277,15 +368,9 @@ class Node:
                     break
                 await slots.acquire()
                 stop = min(start + mb_tokens, lease.limit)
-                nursery.start_soon(
-                    self._microbatch, lease, shard, start, stop, progress, commit_lock, slots
-                )
-        if lease.lease_id in self._fenced:
-            self._fenced.discard(lease.lease_id)
-            return
-        if progress.complete:
-            self.leases.pop(lease.lease_id, None)
-            log.info("node: lease %d complete", lease.lease_id)
+                nursery.start_soon(self._microbatch, lease, shard, start, stop, progress, slots)
+        # Commits happen per micro-batch, or when an outer round covering them applies.
+        self._fenced.discard(lease.lease_id)
 
     def _rows(self, shard: bytes, start: int, stop: int) -> np.ndarray:
         """Sequences of seq_len + 1 bytes starting every seq_len tokens in [start, stop)."""
@@ -303,7 +388,6 @@ class Node:
         start: int,
         stop: int,
         progress: LeaseProgress,
-        commit_lock: trio.Lock,
         slots: trio.Semaphore,
     ) -> None:
         try:
@@ -317,8 +401,8 @@ class Node:
                 metrics.LOSS.set(loss)
             metrics.MICROBATCHES.labels("done").inc()
             progress.finish(start, stop)
-            async with commit_lock:
-                await self._commit(lease, progress)
+            if self.outer is None:  # no outer loop: a finished micro-batch is committed
+                await self._commit(lease, progress, upto=progress.commit_point())
         finally:
             slots.release()
 
@@ -395,20 +479,30 @@ class Node:
         metrics.MB_SECONDS.observe(elapsed)
         return reply
 
-    async def _commit(self, lease: LeaseInfo, progress: LeaseProgress) -> None:
-        point = progress.commit_point()
-        if point <= progress.committed or lease.lease_id in self._fenced:
-            return
-        try:
-            await self.client.commit(lease, progress.committed, point)
-        except FencedError as exc:
-            log.warning("node: lease %d fenced at commit: %s", lease.lease_id, exc)
-            self._fenced.add(lease.lease_id)
-            self.leases.pop(lease.lease_id, None)
-            return
-        metrics.COMMITTED.inc(point - progress.committed)
-        self.stats.tokens_committed += point - progress.committed
-        progress.accept(point)
+    async def _commit(self, lease: LeaseInfo, progress: LeaseProgress, *, upto: int) -> None:
+        """Commit the lease's range up to `upto` (monotonic; a no-op if already there)."""
+        async with self._commit_lock:
+            point = min(upto, progress.commit_point())
+            if point <= progress.committed or lease.lease_id in self._fenced:
+                return
+            try:
+                await self.client.commit(lease, progress.committed, point)
+            except FencedError as exc:
+                log.warning("node: lease %d fenced at commit: %s", lease.lease_id, exc)
+                self._forget_lease(lease.lease_id, fenced=True)
+                return
+            metrics.COMMITTED.inc(point - progress.committed)
+            self.stats.tokens_committed += point - progress.committed
+            progress.accept(point)
+            if progress.complete:
+                log.info("node: lease %d complete", lease.lease_id)
+                self._forget_lease(lease.lease_id)
+
+    def _forget_lease(self, lease_id: int, *, fenced: bool = False) -> None:
+        if fenced:
+            self._fenced.add(lease_id)
+        self.leases.pop(lease_id, None)
+        self._progress.pop(lease_id, None)
 
     async def _release(self, lease: LeaseInfo) -> None:
         try:
@@ -416,7 +510,7 @@ class Node:
             log.info("node: released lease %d", lease.lease_id)
         except (CoordinatorError, CoordinatorUnavailable) as exc:
             log.warning("node: could not release lease %d: %s", lease.lease_id, exc)
-        self.leases.pop(lease.lease_id, None)
+        self._forget_lease(lease.lease_id)
 
     # --- stages > 0: serving ---------------------------------------------------------------
 

@@ -67,11 +67,12 @@ class StageCompute:
         self.opt = torch.optim.AdamW(
             param_groups(self.model, inner.weight_decay), lr=inner.lr, betas=(0.9, 0.95)
         )
-        # mb_id -> (decoded input or None on stage 0, output, inner step it was computed at)
+        # mb_id -> (decoded input or None on stage 0, output, weights version it was computed at)
         self._cache: OrderedDict[str, tuple[torch.Tensor | None, torch.Tensor, int]] = OrderedDict()
         self._pending_tokens = 0  # tokens whose gradients are accumulated, not yet stepped
         self._pending_mbs = 0
         self.inner_steps = 0
+        self.weights_version = 0  # bumped whenever the weights change in place
         self.tokens_trained = 0  # tokens this replica has finished backward for
         self.recomputes = 0  # cache misses served by recomputation
 
@@ -117,7 +118,7 @@ class StageCompute:
             self._finished(inputs.numel())
             return grad, float(loss.item())
         out = self.model(x)
-        self._cache[mb_id] = (x if not self.is_first else None, out, self.inner_steps)
+        self._cache[mb_id] = (x if not self.is_first else None, out, self.weights_version)
         while len(self._cache) > self.inner.cache_size:
             self._cache.popitem(last=False)
         assert self.codec_out is not None
@@ -134,7 +135,7 @@ class StageCompute:
         assert self.codec_out is not None
         g = self.codec_out.decode_backward(grad, inputs).to(self.device)
         cached = self._cache.pop(mb_id, None)
-        if cached is not None and cached[2] == self.inner_steps:
+        if cached is not None and cached[2] == self.weights_version:
             x = inputs if cached[0] is None else cached[0]
             out = cached[1]
         else:
@@ -146,9 +147,17 @@ class StageCompute:
             else:
                 x = self._input(inputs, hidden)
             out = self.model(x)
-        out.backward(g)
+        torch.autograd.backward(out, g)
         self._finished(inputs.numel())
         return self._grad_in(x, inputs)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The stage's parameters in a fixed order (the outer loop's flat layout)."""
+        return list(self.model.parameters())
+
+    def weights_changed(self) -> None:
+        """Call after changing the weights outside `step` (an outer-step merge)."""
+        self.weights_version += 1
 
     def drop(self, mb_id: str) -> None:
         self._cache.pop(mb_id, None)
@@ -169,6 +178,7 @@ class StageCompute:
         self.opt.zero_grad(set_to_none=True)
         project_(self.model)
         self.inner_steps += 1
+        self.weights_version += 1
         self._pending_tokens = 0
         self._pending_mbs = 0
 

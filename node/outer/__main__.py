@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from node.outer.process import OuterProcess
 
+    # "Could not find a group" is routine (a replica alone steps alone, and we log that
+    # in one line); hivemind reports it as an ERROR with a traceback.
+    logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+
     sock = socket.socket(fileno=args.fd)
     try:
         return OuterProcess(sock).serve()

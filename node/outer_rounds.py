@@ -1,0 +1,165 @@
+"""DiLoCo outer rounds for one stage replica, driven from the node's trio loop.
+
+`OuterRounds` owns the `OuterLink` (the hivemind process) and decides when a round
+starts: every `every_steps` inner steps, once the previous round has finished, so a
+round always overlaps with training (DESIGN.md section 6.4). The node calls `tick()`
+a few times a second. Every call that touches the
+parameters runs on the torch worker thread, which serialises it with forward/backward.
+When a round's result arrives it is merged into the working copy, and `on_applied`
+learns which training progress (the snapshot taken at `begin_round`) reached the global
+state: stage 0 commits its lease ranges only then (the commit point of section 7).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from node import metrics
+from node.outer_link import OuterConfig, OuterLink, OuterLinkError, RoundResult
+from node.stage_compute import StageCompute
+from node.worker import TorchWorker
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2  # seconds between checks for a finished round
+Snapshot = dict[int, int]  # lease id -> commit point covered by the round's snapshot
+
+
+class OuterRounds:
+    def __init__(
+        self,
+        worker: TorchWorker,
+        compute: StageCompute,
+        link: OuterLink,
+        *,
+        every_steps: int,
+        snapshot: Callable[[], Snapshot],
+        on_applied: Callable[[RoundResult, Snapshot], Awaitable[None]],
+    ) -> None:
+        self.worker = worker
+        self.compute = compute
+        self.link = link
+        self.every_steps = every_steps  # inner steps between round starts
+        self._snapshot_fn = snapshot
+        self._on_applied = on_applied
+        self._in_flight: Snapshot | None = None  # snapshot of the round running now
+        self._round_started = 0.0  # monotonic seconds
+        self._steps_at_last = 0  # compute.inner_steps when the last round began
+        self._tokens_at_last = 0  # compute.tokens_trained when the last round began
+        self.rounds = 0  # rounds applied by this replica
+
+    @classmethod
+    async def start(
+        cls,
+        worker: TorchWorker,
+        compute: StageCompute,
+        *,
+        run_id: str,
+        stage: int,
+        initial_peers: list[str],
+        config: OuterConfig,
+        every_steps: int,
+        snapshot: Callable[[], Snapshot],
+        on_applied: Callable[[RoundResult, Snapshot], Awaitable[None]],
+    ) -> OuterRounds:
+        numel = sum(p.numel() for p in compute.parameters())
+        link = await trio.to_thread.run_sync(
+            lambda: OuterLink.start(
+                run_id=run_id,
+                stage=stage,
+                numel=numel,
+                initial_peers=initial_peers,
+                config=config,
+            )
+        )
+        log.info("outer: hivemind DHT up at %s (%d parameters)", link.dht_addrs(), numel)
+        return cls(
+            worker, compute, link, every_steps=every_steps, snapshot=snapshot, on_applied=on_applied
+        )
+
+    async def load_state(self, replicas_exist: bool) -> None:
+        """A joiner takes (theta_g, m, round) from a live replica; the first one seeds it."""
+        params = self.compute.parameters()
+        if replicas_exist:
+            got = await self.worker.run(self.link.fetch_state)
+            if got is not None:
+                await self.worker.run(self._load, params)
+                log.info("outer: loaded the stage's global state at round %d", got)
+                return
+            log.warning("outer: no replica answered the state request; starting from init")
+        await self.worker.run(self.link.set_initial_state, params)
+
+    def _load(self, params: list[Any]) -> None:
+        self.link.load_into(params)
+        self.compute.weights_changed()
+
+    def _merge(self, params: list[Any]) -> None:
+        self.link.merge_into(params)
+        self.compute.weights_changed()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    async def tick(self) -> None:
+        """Start a round when one is due; apply the running one's result when it is in."""
+        if self._in_flight is None:
+            if self.compute.inner_steps - self._steps_at_last >= self.every_steps:
+                await self.begin()
+            return
+        try:
+            result = await self.worker.run(self.link.poll_result)
+        except (OuterLinkError, OSError) as exc:
+            self._in_flight = None
+            metrics.OUTER_ROUNDS.labels("failed").inc()
+            log.warning("outer: round failed (%s); training goes on, next round retries", exc)
+            return
+        if result is not None:
+            await self._apply(result)
+
+    async def begin(self) -> None:
+        """Snapshot the working copy and hand it to the outer process."""
+        tokens = self.compute.tokens_trained - self._tokens_at_last
+        self._in_flight = self._snapshot_fn()
+        self._steps_at_last = self.compute.inner_steps
+        self._tokens_at_last = self.compute.tokens_trained
+        self._round_started = time.monotonic()
+        await self.worker.run(self.link.begin_round, self.compute.parameters(), tokens)
+
+    async def _apply(self, result: RoundResult) -> None:
+        snapshot, self._in_flight = self._in_flight or {}, None
+        await self.worker.run(self._merge, self.compute.parameters())
+        self.rounds += 1
+        metrics.OUTER_STEPS.inc()
+        metrics.OUTER_ROUNDS.labels("ok").inc()
+        metrics.OUTER_ROUND_SECONDS.observe(time.monotonic() - self._round_started)
+        metrics.OUTER_GROUP_SIZE.set(result.group_size)
+        metrics.OUTER_BYTES.inc(result.bytes_out)
+        log.info(
+            "outer: round %d applied (group %d, %d tokens, eta_r %.3f, %.1fs, %d B out%s)",
+            result.round, result.group_size, result.tokens, result.eta_r, result.seconds,
+            result.bytes_out, ", rebased" if result.rebased else "",
+        )  # fmt: skip
+        await self._on_applied(result, snapshot)
+
+    async def finish(self, timeout_s: float) -> None:
+        """Drain: wait for the round in flight, then run one more to cover the rest."""
+        with trio.move_on_after(timeout_s) as scope:
+            for _ in range(2):
+                if self._in_flight is None:
+                    if self.compute.tokens_trained == self._tokens_at_last:
+                        return
+                    await self.begin()
+                while self._in_flight is not None:
+                    await trio.sleep(POLL_S)
+                    await self.tick()
+        if scope.cancelled_caught:
+            log.warning("outer: final round did not finish within %.0fs", timeout_s)
+
+    def close(self) -> None:
+        self.link.close()
