@@ -7,6 +7,11 @@ peers join, then each heartbeats once per `--interval` seconds, while `--lease-p
 peers per process loop acquire -> 4 commits -> next lease. Reported: sustained
 heartbeats/s, lease ops/s, p50/p99 latency (send to reply) and `restart_s`, the seconds
 from spawning a coordinator on the same database after SIGKILL to its first answer.
+
+CPU is reported apart for the two sides over the measured window (`coordinator_cpu`
+and `clients_cpu`, in cores: CPU seconds per wall second), so a saturated load
+generator is told apart from a saturated coordinator; `join_s` is how long the N joins
+took. Coordinator CPU is read from /proc (Linux; None elsewhere).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 import collections
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -70,6 +76,7 @@ async def worker(
     port: int, n: int, conns: int, interval: float, duration: float, lease_peers: int
 ) -> dict[str, object]:
     keys = [NodeKey.generate() for _ in range(n)]
+    t_join = time.perf_counter()
     cs = []
     for _ in range(conns):
         r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -82,9 +89,11 @@ async def worker(
             await asyncio.gather(*joins)
             joins = []
     await asyncio.gather(*joins)
+    join_s = time.perf_counter() - t_join
     for x in cs:
         x.measure = True
     stop = time.perf_counter() + duration
+    wall0, cpu0 = time.time(), _cpu_self()
 
     async def lease_loop(i: int) -> None:
         key, conn = keys[i], cs[i % conns]
@@ -121,6 +130,7 @@ async def worker(
     while any(x.pending for x in cs) and time.perf_counter() < deadline:
         await asyncio.sleep(0.05)
     elapsed = time.perf_counter() - t0
+    wall1, cpu1 = time.time(), _cpu_self()
     for x in cs:
         x.writer.close()
     for t in readers:
@@ -132,7 +142,47 @@ async def worker(
         counts.update(x.counts)
         errors.update(x.errors)
         lat += x.lat
-    return {"elapsed": elapsed, "counts": dict(counts), "errors": dict(errors), "lat": lat}
+    return {
+        "elapsed": elapsed,
+        "counts": dict(counts),
+        "errors": dict(errors),
+        "lat": lat,
+        "join_s": join_s,
+        "window": [wall0, wall1],
+        "cpu_s": cpu1 - cpu0,
+    }
+
+
+def verify_backend() -> str:
+    """The ed25519 implementation the coordinator (same interpreter) verifies with."""
+    try:
+        from coordinator.verify import BACKEND
+    except ImportError:  # a coordinator from before coordinator/verify.py
+        return "openssl"
+    return BACKEND
+
+
+def _cpu_self() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _cpu_of(pid: int) -> float | None:
+    """CPU seconds (user + system) of a process, from /proc; None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_at(samples: list[tuple[float, float]], t: float) -> float | None:
+    """Linear interpolation of sampled (wall time, CPU seconds) at `t`."""
+    for (ta, ca), (tb, cb) in zip(samples, samples[1:], strict=False):
+        if ta <= t <= tb:
+            return ca + (cb - ca) * ((t - ta) / (tb - ta) if tb > ta else 0.0)
+    return None
 
 
 def run_worker(argv: list[str]) -> int:
@@ -233,8 +283,17 @@ def main(argv: list[str] | None = None) -> int:
             for i, n in enumerate(per)
         ]
         results = []
+        samples: list[tuple[float, float]] = []  # (wall time, coordinator CPU seconds)
+        give_up = time.monotonic() + args.duration + 600
+        while any(w.poll() is None for w in workers):
+            cpu = _cpu_of(proc.pid)
+            if cpu is not None:
+                samples.append((time.time(), cpu))
+            if time.monotonic() > give_up:
+                raise RuntimeError("bench workers did not finish in time")
+            time.sleep(0.25)
         for i, w in enumerate(workers):
-            if w.wait(timeout=args.duration + 600) != 0:
+            if w.returncode != 0:
                 raise RuntimeError(f"bench worker {i} failed with exit code {w.returncode}")
             results.append(json.loads((tmp / f"w{i}.json").read_text()))
         proc.send_signal(signal.SIGKILL)
@@ -261,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         lat += r["lat"]
     lat.sort()
     q = statistics.quantiles(lat, n=100) if len(lat) >= 100 else [0.0] * 99
+    w0 = max(float(r["window"][0]) for r in results)
+    w1 = min(float(r["window"][1]) for r in results)
+    c0, c1 = _cpu_at(samples, w0), _cpu_at(samples, w1)
+    coord_cpu = (c1 - c0) / (w1 - w0) if c0 is not None and c1 is not None and w1 > w0 else None
+    clients_cpu = sum(float(r["cpu_s"]) / float(r["elapsed"]) for r in results)
     out = {
         "peers": args.peers,
         "peers_after_restart": st.peers,
@@ -270,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         "p99_ms": q[98] * 1000,
         "restart_s": restart_s,
         "duration_s": elapsed,
+        "join_s": max(float(r["join_s"]) for r in results),
+        "coordinator_cpu": coord_cpu,
+        "clients_cpu": clients_cpu,
+        "verify_backend": verify_backend(),
         "errors": dict(errors),
         "sync": args.sync,
         "procs": args.procs,

@@ -4,7 +4,11 @@ A lease is (lease id, shard, holder, fencing epoch, expiry, committed offset) pl
 `limit` of the granted range. Rules:
 
 - A shard has at most one active lease. Granting takes the shard's next fencing epoch.
-- Heartbeats renew every active lease of the holder (`renew`).
+- Heartbeats renew every active lease of the holder (`renew`). A renewal is journaled
+  (a narrow expiry update) only once the expiry moved more than `expiry_slack_s` past
+  the last journaled one; a lagging durable expiry can only end a lease early after a
+  restart (it is then fenced and re-queued at its committed offset), never break
+  exactly-once.
 - A lease past its expiry is expired (`expire_due`): the shard returns to the front of
   the queue at its committed offset; the next grant carries a higher epoch. The old
   holder's commits are refused with `LeaseError("fenced")` (and audited as `fence`).
@@ -65,6 +69,7 @@ class Lease:
     expires_at: float  # unix seconds
     state: str = ACTIVE
     last_start: int = -1  # start of the last accepted commit (for idempotent retries)
+    saved_expires_at: float = 0.0  # not persisted: the expiry last journaled, unix seconds
 
     def row(self) -> tuple[Any, ...]:
         return (
@@ -96,9 +101,11 @@ class LeaseBook:
         data_epoch: int = 0,
         next_lease_id: int = 1,
         leases: Iterable[Lease] = (),
+        expiry_slack_s: float = 0.0,
     ) -> None:
         self.journal = journal
         self.ttl_s = ttl_s  # seconds
+        self.expiry_slack_s = expiry_slack_s  # seconds the journaled expiry may lag
         self.data_epoch = data_epoch
         self.next_lease_id = next_lease_id
         self.shards: dict[int, Shard] = {s.shard_id: s for s in shards}
@@ -180,9 +187,12 @@ class LeaseBook:
         held = self.by_holder.get(holder)
         if not held:
             return []
+        expires_at = now + self.ttl_s
         for lease in held.values():
-            lease.expires_at = now + self.ttl_s
-            self.journal.leases[lease.lease_id] = lease
+            lease.expires_at = expires_at
+            if expires_at - lease.saved_expires_at > self.expiry_slack_s:
+                lease.saved_expires_at = expires_at
+                self.journal.lease_expiry[lease.lease_id] = lease
         return list(held.values())
 
     def lookup(self, holder: str, lease_id: int, epoch: int) -> Lease | None:
@@ -363,6 +373,7 @@ class LeaseBook:
     def _touch(self, shard: Shard, lease: Lease) -> None:
         self.journal.shards[shard.shard_id] = shard
         self.journal.leases[lease.lease_id] = lease
+        lease.saved_expires_at = lease.expires_at
 
     def _audit(self, now: float, kind: str, lease: Lease, start: int, end: int) -> None:
         self.journal.audit.append(
@@ -387,6 +398,7 @@ def restore_book(
     *,
     journal: Journal,
     ttl_s: float,
+    expiry_slack_s: float = 0.0,
 ) -> LeaseBook:
     """Rebuild the book from stored rows (see `coordinator.store`)."""
     return LeaseBook(
@@ -396,4 +408,5 @@ def restore_book(
         data_epoch=int(meta.get("data_epoch", "0")),
         next_lease_id=int(meta.get("next_lease_id", "1")),
         leases=[Lease(*r) for r in lease_rows],
+        expiry_slack_s=expiry_slack_s,
     )

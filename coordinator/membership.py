@@ -3,10 +3,16 @@
 - `join` places a peer on the stage whose aggregate throughput relative to its cost is
   lowest (ties: fewest peers, then lowest index), unless the peer asked for a stage.
 - A heartbeat (`renew`) extends the peer's expiry to now + TTL; `expire_due` removes
-  peers whose TTL lapsed. Joins, leaves, lapses, bans and moves bump the version and
+  peers whose TTL lapsed. The new expiry is journaled (a narrow update) only once it is
+  more than `expiry_slack_s` past the last journaled one, so the durable expiry lags
+  the live one by at most the slack (see `CoordinatorConfig.expiry_slack_s`). Joins, leaves, lapses, bans and moves bump the version and
   are logged, so `delta(since)` can answer "what changed since version v".
 - `rebalance` moves one peer when the weakest stage's throughput/cost falls below
   `ratio` times the strongest's (and the strongest stage has a peer to spare).
+- Per-stage peer counts and throughput sums are kept incrementally, so placement, a
+  join and the gauges cost O(stages), not O(peers) (the sums are recomputed exactly on
+  every rebalance check to shed float drift). Change a live peer's stage only through
+  `move`.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Peer:
     state: str = LIVE
     drain: bool = False
     moved: bool = False  # not persisted: reported once in the next heartbeat reply
+    saved_expires_at: float = 0.0  # not persisted: the expiry last journaled, unix seconds
 
     def row(self) -> tuple[Any, ...]:
         return (
@@ -108,22 +115,27 @@ class Membership:
         version: int = 0,
         peers: Iterable[Peer] = (),
         mlog: Iterable[tuple[int, str, str]] = (),
+        expiry_slack_s: float = 0.0,
     ) -> None:
         if len(stage_costs) != n_stages:
             raise ValueError(f"{len(stage_costs)} stage costs for {n_stages} stages")
         self.n_stages = n_stages
         self.stage_costs = stage_costs
         self.ttl_s = ttl_s  # seconds
+        self.expiry_slack_s = expiry_slack_s  # seconds the journaled expiry may lag
         self.journal = journal
         self.version = version
         # live peers ordered by expiry (TTL is uniform, so renewal moves a peer to the end)
         self.live: collections.OrderedDict[str, Peer] = collections.OrderedDict()
         self.banned: set[str] = set()
+        self._sums = [0.0] * n_stages  # tokens/s per stage (peer rates floored at MIN_RATE)
+        self._counts = [0] * n_stages  # live peers per stage
         for p in sorted(peers, key=lambda p: p.expires_at):
             if p.state == LIVE:
                 self.live[p.peer_id] = p
             elif p.state == BANNED:
                 self.banned.add(p.peer_id)
+        self.resum()
         self._log_versions: list[int] = []
         self._log: list[tuple[str, str]] = []
         for v, pid, change in mlog:
@@ -136,16 +148,33 @@ class Membership:
 
     def stage_rates(self) -> list[float]:
         """Aggregate throughput / cost per stage."""
-        sums = [0.0] * self.n_stages
-        for p in self.live.values():
-            sums[p.stage] += max(p.throughput, MIN_RATE)
-        return [s / c for s, c in zip(sums, self.stage_costs, strict=True)]
+        return [max(s, 0.0) / c for s, c in zip(self._sums, self.stage_costs, strict=True)]
 
     def stage_counts(self) -> list[int]:
-        counts = [0] * self.n_stages
+        return list(self._counts)
+
+    def resum(self) -> None:
+        """Recompute the per-stage aggregates from the live peers (O(peers))."""
+        sums, counts = [0.0] * self.n_stages, [0] * self.n_stages
         for p in self.live.values():
-            counts[p.stage] += 1
-        return counts
+            if p.stage < self.n_stages:
+                sums[p.stage] += max(p.throughput, MIN_RATE)
+                counts[p.stage] += 1
+        self._sums, self._counts = sums, counts
+
+    def _account(self, peer: Peer, sign: int) -> None:
+        if peer.stage < self.n_stages:
+            self._sums[peer.stage] += sign * max(peer.throughput, MIN_RATE)
+            self._counts[peer.stage] += sign
+
+    def move(self, peer: Peer, stage: int) -> None:
+        """Put a live peer on `stage` (keeps the aggregates right; not versioned)."""
+        live = self.live.get(peer.peer_id) is peer
+        if live:
+            self._account(peer, -1)
+        peer.stage = stage
+        if live:
+            self._account(peer, +1)
 
     def place(self) -> int:
         rates, counts = self.stage_rates(), self.stage_counts()
@@ -157,6 +186,7 @@ class Membership:
         peers for which `busy(peer_id)` is true (e.g. lease holders) stay put."""
         if self.n_stages < 2:
             return None
+        self.resum()
         rates, counts = self.stage_rates(), self.stage_counts()
         lo = min(range(self.n_stages), key=lambda s: (rates[s], s))
         hi = max(range(self.n_stages), key=lambda s: (rates[s], -s))
@@ -177,15 +207,19 @@ class Membership:
         if best is None:
             return None
         peer = best[1]
-        peer.stage, peer.moved = lo, True
+        self.move(peer, lo)
+        peer.moved = True
         self._change(peer, "move")
         return peer
 
     # -- lifecycle ----------------------------------------------------------------------
 
     def join(self, peer: Peer) -> Peer:
-        self.live.pop(peer.peer_id, None)
+        old = self.live.pop(peer.peer_id, None)
+        if old is not None:
+            self._account(old, -1)
         self.live[peer.peer_id] = peer
+        self._account(peer, +1)
         self.joins_total += 1
         self._change(peer, "join")
         return peer
@@ -195,10 +229,14 @@ class Membership:
         if peer is None:
             return None
         peer.expires_at = now + self.ttl_s
-        if throughput is not None:
+        if throughput is not None and throughput != peer.throughput:
+            self._account(peer, -1)
             peer.throughput = throughput
+            self._account(peer, +1)
         self.live.move_to_end(peer_id)
-        self.journal.peers[peer_id] = peer
+        if peer.expires_at - peer.saved_expires_at > self.expiry_slack_s:
+            peer.saved_expires_at = peer.expires_at
+            self.journal.peer_expiry[peer_id] = peer
         return peer
 
     def remove(self, peer_id: str, state: str) -> Peer | None:
@@ -208,6 +246,7 @@ class Membership:
             self.banned.add(peer_id)
         if peer is None:
             return None
+        self._account(peer, -1)
         peer.state = state
         self.leaves_total[state] += 1
         self._change(peer, state)
@@ -251,5 +290,6 @@ class Membership:
         if len(self._log) > 2 * MLOG_KEEP:
             del self._log_versions[:MLOG_KEEP], self._log[:MLOG_KEEP]
         self.journal.peers[peer.peer_id] = peer
+        peer.saved_expires_at = peer.expires_at
         self.journal.mlog.append((self.version, peer.peer_id, change))
         self.journal.meta["membership_version"] = str(self.version)

@@ -113,11 +113,18 @@ def build_state(
                 f" hashes to {manifest.content_hash}; use another --db"
             )
         book = restore_book(
-            snap.shards, snap.leases, snap.meta, journal=journal, ttl_s=cfg.lease_ttl_s
+            snap.shards,
+            snap.leases,
+            snap.meta,
+            journal=journal,
+            ttl_s=cfg.lease_ttl_s,
+            expiry_slack_s=cfg.expiry_slack(),
         )
     else:
         shards = [Shard(shard_id=s.shard_id, tokens=s.tokens) for s in manifest.train]
-        book = LeaseBook(shards, journal=journal, ttl_s=cfg.lease_ttl_s)
+        book = LeaseBook(
+            shards, journal=journal, ttl_s=cfg.lease_ttl_s, expiry_slack_s=cfg.expiry_slack()
+        )
         for s in book.shards.values():
             journal.shards[s.shard_id] = s
         journal.meta.update(
@@ -131,10 +138,11 @@ def build_state(
         version=int(snap.meta.get("membership_version", "0")),
         peers=[Peer.from_row(r) for r in snap.peers],
         mlog=snap.mlog,
+        expiry_slack_s=cfg.expiry_slack(),
     )
     for p in list(membership.live.values()):
         if p.stage >= cfg.n_stages:  # n_stages shrank between runs
-            p.stage = membership.place()
+            membership.move(p, membership.place())
     paused = snap.meta.get("paused") == "1"
     return journal, membership, book, paused
 

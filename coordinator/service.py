@@ -19,11 +19,11 @@ from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError
 from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.verify import PeerIds, verify
 from protocol import control as c
 from protocol.codec import decode
 from protocol.corpus import Manifest, ShardInfo
 from protocol.errors import ProtocolError
-from protocol.identity import peer_id_from_public_key, verify_signature
 from protocol.launch import FacilityReport  # issue 7
 from protocol.message import Message
 from protocol.signing import ReplayGuard, SignedRequest, signed_bytes
@@ -90,6 +90,7 @@ class Service:
         self.started = time.time()
         self.guard = ReplayGuard(skew_s=cfg.clock_skew_s)
         self.limiter = RateLimiter(cfg.rate_per_peer, cfg.rate_burst)
+        self.peer_ids = PeerIds()
         self.allowlist = set(cfg.allowlist)
         self.shards: dict[int, ShardInfo] = {s.shard_id: s for s in manifest.train}
         self.shards.update({s.shard_id: s for s in manifest.heldout})
@@ -125,7 +126,7 @@ class Service:
         if not isinstance(req, SignedRequest):
             raise BadFrame(f"expected a signed request, got {req.TYPE!r}")
         try:
-            verify_signature(req.key, req.sig, _signed(req))
+            verify(req.key, req.sig, _signed(req))
         except ProtocolError:
             return "unknown", _err("bad_signature", "signature does not verify")
         try:
@@ -152,7 +153,7 @@ class Service:
     def _dispatch(self, key: bytes, body: Message, host: str, now: float) -> Message:
         if isinstance(body, c.StatusRequest):
             return self.status(now)
-        peer_id = peer_id_from_public_key(key)
+        peer_id = self.peer_ids(key)
         if isinstance(body, FacilityReport):  # launcher on a login node (issue 7)
             return self.facilities.handle(peer_id, body, now)
         if isinstance(body, c.JoinRequest):

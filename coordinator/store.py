@@ -118,6 +118,15 @@ class SQLiteStore:
                 )
             if batch.mlog:
                 c.executemany("INSERT OR REPLACE INTO membership_log VALUES (?,?,?)", batch.mlog)
+            if batch.peer_expiry:
+                c.executemany(
+                    "UPDATE peers SET expires_at = ?, throughput = ? WHERE peer_id = ?",
+                    batch.peer_expiry,
+                )
+            if batch.lease_expiry:
+                c.executemany(
+                    "UPDATE leases SET expires_at = ? WHERE lease_id = ?", batch.lease_expiry
+                )
             if batch.audit:
                 c.executemany(
                     "INSERT INTO audit (ts, data_epoch, kind, shard_id, lease_id, holder,"
