@@ -41,7 +41,7 @@ class NodeConfig:
     max_tokens: int | None = None  # stop after committing this many tokens (None = run on)
     outer_every_steps: int = 25  # inner steps between DiLoCo outer rounds (0 = no outer loop)
     outer_compression: str = "fp16"  # pseudo-gradient codec: none | fp16 | uint8
-    outer_matchmaking_s: float = 3.0  # seconds to gather replicas for a round
+    outer_matchmaking_s: float = 6.0  # seconds to gather replicas for a round
     outer_timeout_s: float = 20.0  # seconds an outer round may take once a group formed
 
     def __post_init__(self) -> None:

@@ -34,6 +34,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--kill-at", type=float, default=0.4, help="fraction of the run at which to kill"
     )
+    p.add_argument(
+        "--outer-every-steps", type=int, default=10, help="inner steps between DiLoCo rounds"
+    )
     return p.parse_args(argv)
 
 
@@ -50,10 +53,16 @@ def main(argv: list[str]) -> int:
     out: Path = args.out
     if out.exists():
         shutil.rmtree(out)
-    swarm = LocalSwarm(workdir=out / "run", preset=args.preset, stages=2)
+    swarm = LocalSwarm(
+        workdir=out / "run",
+        preset=args.preset,
+        stages=2,
+        node_args=["--outer-every-steps", str(args.outer_every_steps)],
+    )
     print(f"agora demo: preset {args.preset}, 2 stages x 2 replicas, {args.minutes:g} min;"
           f" logs in {out / 'run'}")  # fmt: skip
     rows: list[dict[str, Any]] = []
+    seen_bytes: dict[str, tuple[float, float]] = {}  # node -> last scraped (raw, wire)
     events: list[str] = []
     kills = joins = 0
     try:
@@ -61,7 +70,6 @@ def main(argv: list[str]) -> int:
         print(f"coordinator listening on {addr}")
         for name, stage in (("s0-a", 0), ("s0-b", 0), ("s1-a", 1), ("s1-b", 1)):
             swarm.add_node(name, stage)
-            joins += 1
         print("started 4 nodes: s0-a, s0-b (stage 0), s1-a, s1-b (stage 1)")
         print("metrics: each node serves Prometheus text on its --metrics-port; "
               "`agora status --coordinator " + addr + "` shows the run")  # fmt: skip
@@ -73,7 +81,7 @@ def main(argv: list[str]) -> int:
             for proc in swarm.nodes.values():
                 if not proc.alive() and proc.popen.returncode not in (-9, 0):
                     raise RuntimeError(f"node {proc.name} crashed:\n{proc.tail()}")
-            row = _sample(swarm, now)
+            row = _sample(swarm, now, seen_bytes)
             rows.append(row)
             sys.stdout.write(_line(row))
             sys.stdout.flush()
@@ -91,8 +99,9 @@ def main(argv: list[str]) -> int:
                 events.append(f"{now:.0f}s: started s1-c")
                 print(f"\n>>> started a fresh node s1-c on stage 1 at {now:.0f}s")
         print("\ndraining: every node finishes its in-flight work, commits and leaves ...")
-        final = _sample(swarm, time.monotonic() - t0)
-        codes = swarm.stop()
+        codes = swarm.stop_nodes()
+        final = _sample(swarm, time.monotonic() - t0, seen_bytes)
+        codes.update(swarm.stop_coordinator())
     finally:
         swarm.kill_all()
     audit = subprocess.run(
@@ -109,9 +118,10 @@ def main(argv: list[str]) -> int:
         "seconds": round(final["t"], 1),
         "initial_loss": losses[0]["loss"] if losses else None,
         "final_loss": losses[-1]["loss"] if losses else None,
-        "tokens": rows[-1]["tokens"] if rows else 0,
+        "tokens": final["tokens"],
         "kills": kills,
-        "joins": joins,
+        "joins": joins,  # nodes that joined the running swarm after the start
+        "nodes_started": 4 + joins,
         "raw_bytes": bytes_total["raw"],
         "wire_bytes": bytes_total["wire"],
         "compression_ratio": bytes_total["raw"] / bytes_total["wire"]
@@ -129,38 +139,34 @@ def main(argv: list[str]) -> int:
     write_csv(out / "loss.csv", rows, ["t", "tokens", "loss", "tokens_per_s"])
     plot_series(
         out / "loss.png",
-        [Series("swarm training loss", [r["tokens"] for r in losses], [r["loss"] for r in losses])],
+        [Series("swarm training loss", [r["t"] for r in losses], [r["loss"] for r in losses])],
         title=f"agora demo: {args.preset}, 2 stages x 2 replicas, one kill + one join",
-        xlabel="tokens committed",
+        xlabel="seconds",
         ylabel="loss (nats per byte)",
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
         f"loss {summary['initial_loss']} -> {summary['final_loss']} over {summary['tokens']:,} tokens;"
-        f" {kills} kill, {joins - 4} join; audit {'clean' if audit.returncode == 0 else 'NOT CLEAN'}"
+        f" {kills} kill, {joins} join; audit {'clean' if audit.returncode == 0 else 'NOT CLEAN'}"
     )
     print(f"wrote {out / 'loss.png'}, {out / 'loss.csv'} and {out / 'summary.json'}")
     return 0 if audit.returncode == 0 else 1
 
 
-def _sample(swarm: LocalSwarm, t: float) -> dict[str, Any]:
+def _sample(
+    swarm: LocalSwarm, t: float, seen_bytes: dict[str, tuple[float, float]]
+) -> dict[str, Any]:
+    """One progress row: coordinator status plus the nodes' Prometheus metrics."""
     status = swarm.status()
     losses = []
-    raw = wire = 0.0
     for name, proc in swarm.nodes.items():
         m = swarm.scrape(name) if proc.alive() else {}
-        if "agora_node_loss" in m and name.startswith("s0") and m["agora_node_loss"] > 0:
+        if name.startswith("s0") and m.get("agora_node_loss", 0.0) > 0:
             losses.append(m["agora_node_loss"])
-        raw += sum(
-            v
-            for k, v in m.items()
-            if k.startswith("agora_node_boundary_bytes_total") and 'kind="raw"' in k
-        )
-        wire += sum(
-            v
-            for k, v in m.items()
-            if k.startswith("agora_node_boundary_bytes_total") and 'kind="wire"' in k
-        )
+        if m:  # a killed node keeps the bytes it last reported
+            seen_bytes[name] = (_sum(m, 'kind="raw"'), _sum(m, 'kind="wire"'))
+    raw = sum(r for r, _ in seen_bytes.values())
+    wire = sum(w for _, w in seen_bytes.values())
     return {
         "t": round(t, 1),
         "tokens": status.committed_tokens,
@@ -169,3 +175,11 @@ def _sample(swarm: LocalSwarm, t: float) -> dict[str, Any]:
         "peers": "/".join(str(s.peers) for s in status.stages),
         "bytes": {"raw": raw, "wire": wire},
     }
+
+
+def _sum(metrics: dict[str, float], label: str) -> float:
+    return sum(
+        v
+        for k, v in metrics.items()
+        if k.startswith("agora_node_boundary_bytes_total") and label in k
+    )

@@ -197,8 +197,8 @@ class LocalSwarm:
             proc.popen.wait(10)
             return -9
 
-    def stop(self, timeout_s: float = 60.0) -> dict[str, int]:
-        """Drain every node, then stop the coordinator; returns exit codes."""
+    def stop_nodes(self, timeout_s: float = 60.0) -> dict[str, int]:
+        """Ctrl-C every node and wait for the drains; SIGKILL past the timeout."""
         codes = {}
         for proc in self.nodes.values():
             proc.signal(signal.SIGINT)
@@ -209,14 +209,21 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 proc.signal(signal.SIGKILL)
                 codes[name] = proc.popen.wait(10)
-        if self.coordinator is not None and self.coordinator.alive():
-            self.coordinator.signal(signal.SIGINT)
-            try:
-                codes["coordinator"] = self.coordinator.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                self.coordinator.signal(signal.SIGKILL)
-                codes["coordinator"] = self.coordinator.popen.wait(10)
         return codes
+
+    def stop_coordinator(self, timeout_s: float = 30.0) -> dict[str, int]:
+        if self.coordinator is None or not self.coordinator.alive():
+            return {}
+        self.coordinator.signal(signal.SIGINT)
+        try:
+            return {"coordinator": self.coordinator.popen.wait(timeout_s)}
+        except subprocess.TimeoutExpired:
+            self.coordinator.signal(signal.SIGKILL)
+            return {"coordinator": self.coordinator.popen.wait(10)}
+
+    def stop(self, timeout_s: float = 60.0) -> dict[str, int]:
+        """Drain every node, then stop the coordinator; returns exit codes."""
+        return self.stop_nodes(timeout_s) | self.stop_coordinator()
 
     def kill_all(self) -> None:
         for proc in [*self.nodes.values(), *([self.coordinator] if self.coordinator else [])]:
