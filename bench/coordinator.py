@@ -242,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds (30)")
     p.add_argument("--lease-peers", type=int, default=20, help="lease-looping peers per process")
     p.add_argument("--sync", choices=("full", "normal"), default="full", help="SQLite sync level")
+    p.add_argument(
+        "--verify-threads", type=int, help="coordinator signature-check threads (its default)"
+    )
+    p.add_argument("--expiry-slack", type=float, help="coordinator expiry_slack_s (its default)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -255,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             f'lease_ttl_s = {max(30.0, 4 * args.interval)}\nsync = "{args.sync}"\n'
             "rate_per_peer = 1000.0\nrate_burst = 1000.0\nmax_leases_per_peer = 4\n"
             "min_grant_tokens = 1\n"
+            + (
+                f"verify_threads = {args.verify_threads}\n"
+                if args.verify_threads is not None
+                else ""
+            )
+            + (f"expiry_slack_s = {args.expiry_slack}\n" if args.expiry_slack is not None else "")
         )
         db = tmp / "bench.sqlite"
         proc, port, _ = start_coordinator(tmp, db, env)
@@ -337,9 +347,17 @@ def main(argv: list[str] | None = None) -> int:
         "join_s": max(float(r["join_s"]) for r in results),
         "coordinator_cpu": coord_cpu,
         "clients_cpu": clients_cpu,
+        # coordinator CPU per answered request (all kinds), microseconds
+        "coordinator_cpu_us_per_req": (
+            coord_cpu / (sum(counts.values()) / elapsed) * 1e6
+            if coord_cpu is not None and counts
+            else None
+        ),
         "verify_backend": verify_backend(),
         "errors": dict(errors),
         "sync": args.sync,
+        "verify_threads": args.verify_threads,
+        "expiry_slack_s": args.expiry_slack,
         "procs": args.procs,
         "conns_per_proc": args.conns,
         "target_heartbeats_per_s": args.peers / args.interval,

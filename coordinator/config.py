@@ -76,6 +76,7 @@ class CoordinatorConfig:
     rate_per_peer: float = 50.0  # sustained requests/s per key
     rate_burst: float = 200.0  # request burst per key
     clock_skew_s: float = 60.0  # seconds of signature timestamp tolerance
+    verify_threads: int = 2  # threads checking request signatures off the event loop (0: inline)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -133,6 +134,10 @@ class CoordinatorConfig:
         )
         need(self.max_connections >= 1, "max_connections must be >= 1")
         need(self.rate_per_peer > 0 and self.rate_burst >= 1, "rate_per_peer/rate_burst")
+        need(
+            0 <= self.verify_threads <= 64,
+            f"verify_threads must be in [0, 64]: {self.verify_threads}",
+        )
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> CoordinatorConfig:

@@ -119,15 +119,25 @@ class Service:
 
     def handle(self, payload: bytes, host: str, now: float) -> tuple[str, Message]:
         """Answer one frame payload; returns (method name, reply). Raises `BadFrame`."""
+        req = self.open(payload)
+        return self.apply(req, signature_ok(req), host, now)
+
+    def open(self, payload: bytes) -> SignedRequest:
+        """Decode a frame payload into a signed request (not yet verified); `BadFrame`."""
         try:
             req = decode(payload, max_size=self.cfg.max_frame_bytes)
         except ProtocolError as exc:
             raise BadFrame(str(exc)) from exc
         if not isinstance(req, SignedRequest):
             raise BadFrame(f"expected a signed request, got {req.TYPE!r}")
-        try:
-            verify(req.key, req.sig, _signed(req))
-        except ProtocolError:
+        return req
+
+    def apply(
+        self, req: SignedRequest, verified: bool, host: str, now: float
+    ) -> tuple[str, Message]:
+        """Answer an opened request whose signature check gave `verified` (see
+        `signature_ok`; the server may run those checks off the event loop)."""
+        if not verified:
             return "unknown", _err("bad_signature", "signature does not verify")
         try:
             self.guard.check(req.key, req.nonce, req.ts, now)
@@ -432,3 +442,17 @@ class Service:
 def _signed(req: SignedRequest) -> bytes:
     # verify the signature apart from the replay check so each gets its own error code
     return signed_bytes(req.key, req.ts, req.nonce, req.body)
+
+
+def signature_ok(req: SignedRequest) -> bool:
+    """Whether the request's signature verifies (thread-safe: no shared state)."""
+    try:
+        verify(req.key, req.sig, _signed(req))
+    except ProtocolError:
+        return False
+    return True
+
+
+def signatures_ok(reqs: list[SignedRequest]) -> list[bool]:
+    """`signature_ok` for a batch (one hop to a verify thread for a whole read)."""
+    return [signature_ok(r) for r in reqs]
