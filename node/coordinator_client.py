@@ -203,6 +203,7 @@ class CoordinatorClient:
         on_reply: Callable[[c.HeartbeatReply], Awaitable[None]] | None = None,
         on_rejoin: Callable[[c.JoinReply], Awaitable[None]] | None = None,
         *,
+        throughput: Callable[[], float | None] | None = None,  # tokens/s to report
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Heartbeat every `heartbeat_interval_s` until cancelled. Re-joins after a lapse
@@ -213,7 +214,7 @@ class CoordinatorClient:
         while True:
             interval = self.joined.run.heartbeat_interval_s
             try:
-                reply = await self.heartbeat(leases())
+                reply = await self.heartbeat(leases(), throughput and throughput())
                 if on_reply is not None:
                     await on_reply(reply)
             except NotMemberError:

@@ -23,6 +23,7 @@ import numpy as np
 import trio
 
 from node import metrics
+from node.checkpoint import StageCheckpointer, save_stage_state, stage_checkpointer
 from node.config import NodeConfig
 from node.coordinator_client import (
     CoordinatorClient,
@@ -93,6 +94,7 @@ class Node:
         self.outer: OuterRounds | None = None  # None when outer_every_steps = 0
         self._dht_bootstrap = ""  # peer id whose DHT our outer process joined (or ours)
         self.throughput = 0.0  # measured tokens/s of this stage
+        self.checkpoints: StageCheckpointer | None = None  # --checkpoint-dir (node.checkpoint)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -144,6 +146,7 @@ class Node:
                 if self.outer is not None:
                     # Finish the outer round so the last progress (and its commits) lands.
                     await self.outer.finish(self.cfg.drain_timeout_s)
+                    await self._checkpoint(final=True)  # checkpoint hook (drain)
                 nursery.cancel_scope.cancel()
         finally:
             await self._leave()
@@ -223,11 +226,26 @@ class Node:
 
     async def _outer_applied(self, result: RoundResult, snapshot: Snapshot) -> None:
         """The round's snapshot is in the global state: commit what it covered."""
+        await self._checkpoint()  # checkpoint hook: persist theta_g before committing
         for lease_id, point in snapshot.items():
             lease = self.leases.get(lease_id)
             progress = self._progress.get(lease_id)
             if lease is not None and progress is not None:
                 await self._commit(lease, progress, upto=point)
+
+    async def _checkpoint(self, *, final: bool = False) -> None:
+        """--- checkpoint hook (node.checkpoint): write theta_g when a checkpoint is due ---"""
+        if self.outer is not None and self.cfg.checkpoint_dir is not None:
+            if self.checkpoints is None:
+                assert self.join is not None and self.compute is not None
+                self.checkpoints = stage_checkpointer(
+                    self.cfg.checkpoint_dir, self.cfg.checkpoint_every_rounds, self.join.run,
+                    self.stage, self.compute.model,
+                )  # fmt: skip
+            await save_stage_state(
+                self.checkpoints, self.worker, self.outer.link, in_flight=self.outer.in_flight,
+                final=final,
+            )  # fmt: skip
 
     async def _build_stage(self) -> None:
         assert self.join is not None
@@ -276,6 +294,8 @@ class Node:
             lambda: [LeaseRef(lease_id=i, epoch=le.epoch) for i, le in self.leases.items()],
             on_reply=self._on_heartbeat,
             on_rejoin=self._on_rejoin,
+            # the measured rate: the coordinator sizes deadline-bound leases with it
+            throughput=lambda: self.throughput or None,
         )
 
     async def _on_heartbeat(self, reply: HeartbeatReply) -> None:
