@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 class PlacementPolicy:
     target_jobs: int | None = None  # jobs wanted across all facilities (None = all worth it)
     horizon_s: float = 4 * 3600.0  # seconds ahead the value of a job is counted over
-    min_useful_s: float = 120.0  # seconds of useful work below which a job is not worth it
-    drain_s: float = 90.0  # seconds a node spends draining before its deadline
+    min_useful_s: float = 30.0  # seconds of useful work below which a job is not worth it
+    drain_s: float = 60.0  # seconds a node spends draining before its deadline
     default_wait_s: float = 1800.0  # seconds assumed when a facility cannot estimate its wait
     stale_s: float = 600.0  # seconds after which a silent facility is ignored
 

@@ -55,7 +55,7 @@ def test_short_walltime_is_weighed_against_a_longer_wait() -> None:
 
 
 def test_jobs_too_short_to_be_useful_get_nothing() -> None:
-    d = plan({"tiny": report("tiny", wait=0, walltime=200)}, PlacementPolicy(), NOW)["tiny"]
+    d = plan({"tiny": report("tiny", wait=0, walltime=100)}, PlacementPolicy(), NOW)["tiny"]
     assert d.target == 0 and "walltime too short" in d.reason
 
 
