@@ -64,21 +64,109 @@ def replay(events: Iterable[AuditEvent], shard_sizes: dict[int, int]) -> list[Ep
         for sid in shard_ids:
             ranges = sorted(by_shard.get(sid, []))
             n += len(ranges)
-            end_of = shard_sizes.get(sid, 0) if complete else max((b for _, b in ranges), default=0)
-            covered = 0  # highest offset covered so far
-            for a, b in ranges:
-                if a > covered:
-                    lost.append((sid, covered, a))
-                if a < covered:
-                    dup.append((sid, a, min(b, covered)))
-                distinct += max(0, b - max(a, covered))
-                covered = max(covered, b)
-            if covered < end_of:
-                lost.append((sid, covered, end_of))
-            if complete and covered > end_of:
-                dup.append((sid, end_of, covered))  # beyond the shard: impossible but checked
+            d, sl, sd = check_shard(sid, ranges, shard_sizes.get(sid, 0), complete)
+            distinct += d
+            lost += sl
+            dup += sd
         reports.append(EpochReport(epoch, complete, distinct, n, lost, dup))
     return reports
+
+
+def check_shard(
+    sid: int, ranges: list[tuple[int, int]], shard_tokens: int, complete: bool
+) -> tuple[int, list[Range], list[Range]]:
+    """(distinct tokens, lost, duplicated) of one shard's committed ranges in one data
+    epoch; `ranges` sorted. A complete epoch must cover `[0, shard_tokens)`; an epoch in
+    progress only below its highest committed offset."""
+    lost: list[Range] = []
+    dup: list[Range] = []
+    distinct = 0
+    end_of = shard_tokens if complete else max((b for _, b in ranges), default=0)
+    covered = 0  # highest offset covered so far
+    for a, b in ranges:
+        if a > covered:
+            lost.append((sid, covered, a))
+        if a < covered:
+            dup.append((sid, a, min(b, covered)))
+        distinct += max(0, b - max(a, covered))
+        covered = max(covered, b)
+    if covered < end_of:
+        lost.append((sid, covered, end_of))
+    if complete and covered > end_of:
+        dup.append((sid, end_of, covered))  # beyond the shard: impossible but checked
+    return distinct, lost, dup
+
+
+class AuditMonitor:
+    """Incremental `replay` for the live gauge `agora_coordinator_audit_problem_ranges`.
+
+    Fed the durable audit events in order (`feed`), it keeps per shard the committed
+    ranges of the current data epoch and of the one completed last, merging a commit
+    that starts where the previous one ended into it (the normal, monotonic case: one
+    range per shard). Merging disjoint neighbours keeps every token's commit count, so
+    the lost and duplicated *tokens* are exactly `agora audit`'s and the counts are zero
+    exactly when it is clean for those epochs; a run of overlapping or gapped commits
+    can count as fewer ranges than `agora audit` lists. `problems()` re-checks only the
+    shards changed since the last call.
+    """
+
+    def __init__(self, shard_sizes: dict[int, int], data_epoch: int) -> None:
+        self.shard_sizes = dict(shard_sizes)
+        self.current = data_epoch
+        self._ranges: dict[int, dict[int, list[list[int]]]] = {data_epoch: {}}
+        self._complete: set[int] = set()
+        self._counts: dict[tuple[int, int], tuple[int, int]] = {}  # (epoch, shard) -> (l, d)
+        self._dirty: set[tuple[int, int]] = set()
+
+    def feed(self, events: Iterable[AuditEvent]) -> None:
+        for e in events:
+            if e.kind == "commit":
+                self._commit(e.data_epoch, e.shard_id, e.start, e.end)
+            elif e.kind == "epoch":
+                self._rollover(e.data_epoch)
+
+    def _commit(self, epoch: int, sid: int, start: int, end: int) -> None:
+        shards = self._ranges.get(epoch)
+        if shards is None:
+            if epoch < self.current - 1:
+                return  # older than what the gauge covers
+            shards = self._ranges[epoch] = {}
+            if epoch > self.current:
+                self.current = epoch
+        ranges = shards.setdefault(sid, [])
+        if ranges and ranges[-1][1] == start:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end])
+        self._dirty.add((epoch, sid))
+
+    def _rollover(self, new_epoch: int) -> None:
+        done = new_epoch - 1
+        self._complete.add(done)
+        self._ranges.setdefault(done, {})
+        self._ranges.setdefault(new_epoch, {})
+        self.current = max(self.current, new_epoch)
+        for epoch in [e for e in self._ranges if e < self.current - 1]:
+            del self._ranges[epoch]
+        self._counts = {k: v for k, v in self._counts.items() if k[0] >= self.current - 1}
+        self._dirty = {k for k in self._dirty if k[0] >= self.current - 1}
+        # a completed epoch must cover every shard, committed to or not
+        self._dirty.update((done, sid) for sid in self.shard_sizes)
+
+    def problems(self) -> tuple[int, int]:
+        """(lost, duplicated) ranges in the current and the last completed data epoch."""
+        for epoch, sid in self._dirty:
+            shards = self._ranges.get(epoch)
+            if shards is None:
+                continue
+            ranges = sorted((a, b) for a, b in shards.get(sid, []))
+            complete = epoch in self._complete
+            _, lost, dup = check_shard(sid, ranges, self.shard_sizes.get(sid, 0), complete)
+            self._counts[(epoch, sid)] = (len(lost), len(dup))
+        self._dirty.clear()
+        lost_n = sum(v[0] for v in self._counts.values())
+        dup_n = sum(v[1] for v in self._counts.values())
+        return lost_n, dup_n
 
 
 def _fmt(ranges: list[Range], limit: int = 20) -> str:

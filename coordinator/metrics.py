@@ -82,6 +82,15 @@ class CoordinatorMetrics:
         self.connections = Gauge(
             "agora_coordinator_connections", "Open client connections", registry=r
         )
+        self.audit_problems = Gauge(
+            "agora_coordinator_audit_problem_ranges",
+            "Lost or duplicated committed token ranges (kind) found by the live audit replay"
+            " of the current and the last completed data epoch; should be 0",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("lost", "duplicated"):
+            self.audit_problems.labels(kind).set(0)
         self.group_commits = Counter(
             "agora_coordinator_group_commits_total", "SQLite write transactions", registry=r
         )

@@ -11,6 +11,8 @@
   A failed write stops the server (fail-stop: memory and disk must never disagree).
 - The sweeper expires lapsed peers and leases, rebalances stages, refreshes gauges and
   the Prometheus file-SD, and kicks the group commit.
+- `AuditMonitor` replays the durable audit events incrementally (seeded from the log
+  at start) for the `agora_coordinator_audit_problem_ranges` gauge.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from coordinator.audit import AuditMonitor
 from coordinator.config import CoordinatorConfig
-from coordinator.journal import Journal
+from coordinator.journal import Batch, Journal
 from coordinator.leases import LeaseBook, Shard, restore_book
 from coordinator.membership import Membership, Peer
 from coordinator.metrics import CoordinatorMetrics, write_file_sd
 from coordinator.service import BadFrame, Service, signatures_ok
-from coordinator.store import Store
+from coordinator.store import Store, read_epoch_events
 from protocol.control import ErrorReply, HeartbeatRequest
 from protocol.corpus import Manifest
 from protocol.errors import ProtocolError
@@ -42,10 +46,17 @@ class StoreFailed(RuntimeError):
 
 
 class GroupCommit:
-    def __init__(self, journal: Journal, store: Store, metrics: CoordinatorMetrics) -> None:
+    def __init__(
+        self,
+        journal: Journal,
+        store: Store,
+        metrics: CoordinatorMetrics,
+        on_durable: Callable[[Batch], None] | None = None,
+    ) -> None:
         self.journal = journal
         self.store = store
         self.metrics = metrics
+        self.on_durable = on_durable  # called on the event loop after each durable write
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sqlite")
         self._open: asyncio.Future[None] | None = None
         self._inflight: asyncio.Future[None] | None = None
@@ -90,6 +101,8 @@ class GroupCommit:
             self.metrics.group_commits.inc()
             self.metrics.group_commit_seconds.observe(time.perf_counter() - t0)
             fut.set_result(None)
+            if self.on_durable is not None:
+                self.on_durable(batch)
             if self._inflight is fut:
                 self._inflight = None
 
@@ -174,7 +187,12 @@ class CoordinatorServer:
             metrics=self.metrics,
             paused=paused,
         )
-        self.commits = GroupCommit(journal, store, self.metrics)
+        self.audit = AuditMonitor(
+            {s.shard_id: s.tokens for s in book.shards.values()}, book.data_epoch
+        )
+        self.commits = GroupCommit(
+            journal, store, self.metrics, on_durable=lambda b: self.audit.feed(b.audit)
+        )
         self.store = store
         self.connections = 0
         self.port = 0
@@ -189,6 +207,12 @@ class CoordinatorServer:
         )
 
     async def start(self) -> int:
+        path = getattr(self.store, "path", None)
+        if isinstance(path, Path) and path.exists():  # seed the live audit from the log
+            events = await asyncio.to_thread(
+                read_epoch_events, path, self.service.book.data_epoch - 1
+            )
+            self.audit.feed(events)
         self.service.expire(time.time())  # leases and peers that lapsed while we were down
         self._server = await asyncio.start_server(
             self._client, self.cfg.host, self.cfg.port, limit=self.cfg.max_frame_bytes, backlog=4096
@@ -259,6 +283,9 @@ class CoordinatorServer:
         m.data_epoch.set(svc.book.data_epoch)
         m.membership_version.set(svc.membership.version)
         m.connections.set(self.connections)
+        lost, dup = self.audit.problems()
+        m.audit_problems.labels("lost").set(lost)
+        m.audit_problems.labels("duplicated").set(dup)
 
     def _write_sd(self) -> None:
         by_stage: dict[int, list[str]] = {}

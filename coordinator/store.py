@@ -155,6 +155,20 @@ def read_audit(path: Path | str) -> list[AuditEvent]:
     return [AuditEvent(*r) for r in rows]
 
 
+def read_epoch_events(path: Path | str, min_epoch: int) -> list[AuditEvent]:
+    """The `commit` and `epoch` audit records of data epochs >= `min_epoch`, in order."""
+    conn = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            'SELECT ts, data_epoch, kind, shard_id, lease_id, holder, epoch, start, "end"'
+            " FROM audit WHERE data_epoch >= ? AND kind IN ('commit', 'epoch') ORDER BY seq",
+            (min_epoch,),
+        ).fetchall()
+    finally:
+        conn.close()
+    return [AuditEvent(*r) for r in rows]
+
+
 def read_shard_sizes(path: Path | str) -> dict[int, int]:
     conn = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)
     try:
