@@ -183,6 +183,25 @@ def train_step(
     return float(loss.detach())
 
 
+def evaluate_weights(
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    seq_len: int,
+    n_batches: int,
+) -> float:
+    """Held-out loss of a whole model's weights (an export) on `eval_batches(...)`: the
+    same fixed held-out set a `train` run with the same batch settings evaluates on."""
+    if seq_len > config.max_seq_len:
+        config = config.replace(max_seq_len=seq_len)
+    model = ChainedStages(config, 1, None)
+    load_stage_weights(model.stage_list()[0], tensors)
+    held = eval_batches(dataset.heldout, batch_size, seq_len, n_batches)
+    return evaluate(model, held)
+
+
 ProgressHook = Callable[[int, dict[str, Any]], None]
 
 
@@ -317,6 +336,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--init", type=Path, help="start from an export dir (model.safetensors + config.json)"
     )
+    p.add_argument(
+        "--eval-only", action="store_true",
+        help="with --init: only evaluate the model on the held-out set (no training)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("baseline-out"), help="output directory")
     p.add_argument("--json", type=Path, help="write the summary here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -358,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agora baseline: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(cfg.threads or min(os.cpu_count() or 1, 8))
+    if args.eval_only:
+        return _eval_only(args, cfg, model_config, init, dataset)
     mcfg = model_config or cfg.model_config()
     title = f"baseline {cfg.preset} d={mcfg.d_model} k={mcfg.subspace_rank}"
     if cfg.compress:
@@ -408,4 +433,40 @@ def main(argv: list[str] | None = None) -> int:
         f"eval_loss {result.eval_loss:.4f} nats/byte after {result.tokens} tokens"
         f" ({result.tokens_per_s:.0f} tokens/s); curve {paths['csv']}, plot {paths['png']}"
     )
+    return 0
+
+
+def _eval_only(
+    args: argparse.Namespace,
+    cfg: TrainConfig,
+    model_config: ModelConfig | None,
+    init: dict[str, torch.Tensor] | None,
+    dataset: Dataset,
+) -> int:
+    """`--init DIR --eval-only`: the held-out loss of an export, nothing trained."""
+    if model_config is None or init is None:
+        print("agora baseline: --eval-only needs --init DIR (an export)", file=sys.stderr)
+        return 2
+    try:
+        loss = evaluate_weights(
+            model_config, init, dataset,
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len, n_batches=cfg.eval_batches,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"agora baseline: {exc}", file=sys.stderr)
+        return 2
+    summary = {
+        "eval_loss": loss,
+        "init": str(args.init),
+        "dataset": dataset.manifest.name,
+        "content_hash": dataset.manifest.content_hash,
+        "eval_batches": cfg.eval_batches,
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "model_config": model_config.to_dict(),
+    }
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"eval_loss {loss:.4f} nats/byte (held-out, {args.init})")
     return 0

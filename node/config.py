@@ -43,6 +43,8 @@ class NodeConfig:
     outer_compression: str = "fp16"  # pseudo-gradient codec: none | fp16 | uint8
     outer_matchmaking_s: float = 6.0  # seconds to gather replicas for a round
     outer_timeout_s: float = 20.0  # seconds an outer round may take once a group formed
+    checkpoint_dir: Path | None = None  # write stage{K}.safetensors + .json here (None = off)
+    checkpoint_every_rounds: int = 1  # applied outer rounds between checkpoints (and at drain)
 
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator.rpartition(":")
@@ -66,6 +68,12 @@ class NodeConfig:
             raise ValueError("timeouts must be positive")
         if self.deadline is not None and self.deadline <= time.time():
             raise ValueError(f"deadline {self.deadline} is already in the past")
+        if self.checkpoint_every_rounds < 1:
+            raise ValueError(
+                f"checkpoint_every_rounds must be >= 1, got {self.checkpoint_every_rounds}"
+            )
+        if self.checkpoint_dir is not None:
+            self.checkpoint_dir = Path(self.checkpoint_dir).expanduser()
         self.identity = Path(self.identity).expanduser()
 
     @property

@@ -51,6 +51,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--outer-every-steps", type=int, default=None,
         help="inner steps between DiLoCo outer rounds (default 25; 0 disables the outer loop)",
     )  # fmt: skip
+    p.add_argument(
+        "--checkpoint-dir", type=Path, default=None,
+        help="write the stage's global state (stage{K}.safetensors + .json) here after outer"
+        " rounds and at drain (default: no checkpoints)",
+    )  # fmt: skip
+    p.add_argument(
+        "--checkpoint-every", type=int, default=None,
+        help="applied outer rounds between checkpoints (default 1)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p.parse_args(argv)
 
@@ -129,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 "join_token": args.join_token,
                 "max_tokens": args.max_tokens,
                 "outer_every_steps": args.outer_every_steps,
+                "checkpoint_dir": args.checkpoint_dir,
+                "checkpoint_every_rounds": args.checkpoint_every,
             },
         )
         key = load_identity(cfg.identity)
