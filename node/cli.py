@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("node.export:main", "assemble the trained model from live stage replicas"),
     "bench": ("bench.cli:main", "run a benchmark: agora bench NAME [--json FILE]"),
     "launch": ("node.launch.cli:main", "keep agora-node jobs queued on a Slurm/PBS cluster"),
+    "chaos": ("node.chaos:main", "inject a seeded fault schedule into a local swarm; audit"),
 }
 
 USAGE = "usage: agora [-h] COMMAND [ARGS...]\n"
