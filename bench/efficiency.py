@@ -1,0 +1,466 @@
+"""`agora bench efficiency`: swarm tokens/s divided by centralised tokens/s, same cores.
+
+One invocation measures, one after another on the same machine:
+
+1. **centralised**: one process, `--central-threads` torch threads (default: every
+   core), the same preset and subspace model trained with `node.baseline.train_step`
+   (the shared step function) at `--central-batch` sequences of 128 tokens per step
+   (default 32, i.e. 4096 tokens: the swarm's tokens per inner step per replica), for
+   `--central-seconds` after a short warm-up, and again with 1 thread. Both are
+   measured again before each swarm run, and each ratio uses the measurements next to
+   it (the box is shared: load moves). `ratio_*` divides by the faster of the two
+   centralised runs (on an oversubscribed box 2 threads can be slower than 1);
+   `ratio_*_vs_N_threads` by the N-thread run alone; `cpu_ratio_*` compares tokens per
+   CPU-second with the 1-thread run (the swarm's overhead, whatever the load);
+2. **swarm on loopback**: `LocalSwarm`, a coordinator and 2 stages x 2 replicas, one
+   torch thread each (4 threads on the same cores), default node settings. Tokens/s is
+   the coordinator's committed tokens over a steady-state window (`--window-s` seconds,
+   starting `--warmup-s` after the first commit);
+3. **swarm through a shaped link**: the same, with every node and the coordinator
+   behind `bench.shaping_proxy` (userspace: this kernel has no sch_netem, so netem in a
+   network namespace is not available), 80 Mbit/s and 20 ms each way (40 ms RTT) by
+   default. Nodes announce the proxy's port (`bench.shaped_node`), so all data-plane and
+   control-plane traffic crosses the emulated link once per direction.
+
+It also reads where the time goes: CPU seconds of every process over the window, the
+stage-0 micro-batch round trip (`agora_node_microbatch_seconds`), retries, boundary wire
+bytes, and the 1-thread centralised rate (two cores of perfect pipelining would give
+twice it). `--outer-every-steps` (default 0) sets the nodes' DiLoCo outer loop; with it
+on, commits come in outer-round lumps and the swarm rate is the stage-0 trained tokens.
+
+`--preset small` (default) is the demo's model; `tiny` is sized for tests (a few ms of
+compute per micro-batch), so fixed per-micro-batch costs dominate it: a worst case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
+SEQ_LEN = 128  # tokens per sequence, as the nodes' default
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[efficiency] {msg}", file=sys.stderr, flush=True)
+
+
+# --- centralised -------------------------------------------------------------------------
+
+
+def measure_central(preset: str, threads: int, batch: int, seconds: float) -> dict[str, Any]:
+    """Tokens/s of the centralised trainer (node.baseline.train_step) for `seconds`."""
+    import torch
+
+    from node.baseline import ChainedStages, TrainConfig, train_step
+    from node.data import RandomBatches, load_dataset
+    from node.model import param_groups
+
+    torch.set_num_threads(threads)
+    cfg = TrainConfig(preset=preset, batch_size=batch, seq_len=SEQ_LEN, steps=10**9)
+    torch.manual_seed(cfg.seed)
+    model = ChainedStages(cfg.model_config(), 1, None)
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
+    batches = RandomBatches(load_dataset(None).train, batch, SEQ_LEN, seed=cfg.seed)
+    for _ in range(3):  # warm-up: allocator, first-call overheads
+        train_step(model, opt, next(batches), cfg.lr, cfg.grad_clip)
+    steps, loss = 0, float("nan")
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        loss = train_step(model, opt, next(batches), cfg.lr, cfg.grad_clip)
+        steps += 1
+    wall = time.perf_counter() - t0
+    tokens = steps * batch * SEQ_LEN
+    return {
+        "threads": threads,
+        "batch_tokens": batch * SEQ_LEN,
+        "steps": steps,
+        "tokens": tokens,
+        "seconds": wall,
+        "cpu_seconds": time.process_time() - cpu0,
+        "tokens_per_s": tokens / wall,
+        "last_loss": loss,
+    }
+
+
+# --- swarm -------------------------------------------------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+@dataclass
+class Shaping:
+    rate_mbit: float  # Mbit/s per direction
+    delay_ms: float  # one-way delay, ms
+    proxy: subprocess.Popen[bytes] | None = None
+    stats_file: Path | None = None
+    routes: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (real, announced)
+
+
+def _start_proxy(sh: Shaping, workdir: Path, routes: list[tuple[int, int]]) -> None:
+    from node.swarm import child_env
+
+    ready = workdir / "proxy.ready"
+    sh.stats_file = workdir / "proxy-stats.json"
+    args = [sys.executable, "-m", "bench.shaping_proxy",
+            "--rate-mbit", str(sh.rate_mbit), "--delay-ms", str(sh.delay_ms),
+            "--ready-file", str(ready), "--stats", str(sh.stats_file),
+            *[f"--route={a}={r}" for r, a in routes]]  # fmt: skip
+    log = (workdir / "proxy.log").open("ab")
+    sh.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    log.close()
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        if sh.proxy.poll() is not None:
+            raise RuntimeError(f"shaping proxy exited with {sh.proxy.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("shaping proxy did not start within 30 s")
+        time.sleep(0.05)
+
+
+def _add_shaped_node(
+    sw: Any, name: str, stage: int, coordinator: str, real: int, ann: int, config: Path
+) -> None:
+    """Like LocalSwarm.add_node, but through bench.shaped_node (announcing the proxy port)."""
+    from node.swarm import Proc, child_env, free_port
+
+    metrics_port = free_port()
+    env = child_env()
+    env["AGORA_ANNOUNCE_PORTS"] = f"{real}={ann}"
+    log = sw.workdir / f"{name}.log"
+    fh = log.open("ab")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "bench.shaped_node",
+         "--coordinator", coordinator,
+         "--identity", str(sw.workdir / f"{name}.key"),
+         "--metrics-port", str(metrics_port),
+         "--listen", f"/ip4/127.0.0.1/tcp/{real}",
+         "--config", str(config),
+         "--stage", str(stage)],
+        stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=sw.workdir,
+    )  # fmt: skip
+    fh.close()
+    sw.nodes[name] = Proc(name, popen, log, metrics_port, stage)
+
+
+def _node_config(workdir: Path, outer_every_steps: int) -> Path:
+    """A node TOML for every swarm node (the outer-loop setting where the node has it)."""
+    from node.config import NodeConfig
+
+    path = workdir / "node.toml"
+    text = "[node]\n"
+    if "outer_every_steps" in NodeConfig.__dataclass_fields__:
+        text += f"outer_every_steps = {outer_every_steps}\n"
+    elif outer_every_steps:
+        raise ValueError("this node has no outer loop setting (outer_every_steps)")
+    path.write_text(text)
+    return path
+
+
+def _histogram(scraped: dict[str, float], name: str) -> tuple[float, float]:
+    return scraped.get(f"{name}_sum", 0.0), scraped.get(f"{name}_count", 0.0)
+
+
+def _stage0_snapshot(sw: Any) -> dict[str, float]:
+    out = {"mb_sum": 0.0, "mb_count": 0.0, "retried": 0.0, "wire": 0.0, "trained": 0.0}
+    for name, stage in NODES:
+        s = sw.scrape(name)
+        if stage == 0:
+            total, count = _histogram(s, "agora_node_microbatch_seconds")
+            out["mb_sum"] += total
+            out["mb_count"] += count
+            out["retried"] += s.get('agora_node_microbatches_total{result="retried"}', 0.0)
+            out["trained"] += s.get("agora_node_tokens_total", 0.0)
+        out["wire"] += sum(
+            v
+            for k, v in s.items()
+            if k.startswith("agora_node_boundary_bytes_total{") and 'kind="wire"' in k
+        )
+    return out
+
+
+def measure_swarm(
+    preset: str,
+    workdir: Path,
+    *,
+    warmup_s: float,
+    window_s: float,
+    shaping: Shaping | None,
+    outer_every_steps: int,
+    quiet: bool,
+) -> dict[str, Any]:
+    from node.swarm import LocalSwarm, free_port
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = _node_config(workdir, outer_every_steps)
+    sw = LocalSwarm(workdir=workdir, preset=preset, stages=2, node_args=["--config", str(config)])
+    try:
+        sw.start_coordinator()
+        if shaping is None:
+            for name, stage in NODES:
+                sw.add_node(name, stage)
+        else:
+            coord_real = int(sw.address.rsplit(":", 1)[1])
+            coord_ann = free_port()
+            routes = [(coord_real, coord_ann)]
+            for name, _ in NODES:
+                shaping.routes[name] = (free_port(), free_port())
+                routes.append(shaping.routes[name])
+            _start_proxy(shaping, workdir, routes)
+            for name, stage in NODES:
+                real, ann = shaping.routes[name]
+                _add_shaped_node(sw, name, stage, f"127.0.0.1:{coord_ann}", real, ann, config)
+        _say("swarm starting (4 nodes import torch and build their stages)", quiet)
+        sw.wait_for(
+            lambda: _stage0_snapshot(sw)["trained"] > 0, 240, "the first trained micro-batch"
+        )
+        first = time.monotonic()
+        _say(f"training; steady-state window starts in {warmup_s:.0f} s", quiet)
+        sw.wait_for(lambda: time.monotonic() - first >= warmup_s, warmup_s + 5, "warm-up", 0.2)
+        for name, proc in sw.nodes.items():
+            if not proc.alive():
+                raise RuntimeError(f"node {name} exited:\n{proc.tail()}")
+        pids = {n: p.popen.pid for n, p in sw.nodes.items()}
+        assert sw.coordinator is not None
+        pids["coordinator"] = sw.coordinator.popen.pid
+        if shaping is not None and shaping.proxy is not None:
+            pids["proxy"] = shaping.proxy.pid
+        st0, t0 = sw.status(), time.monotonic()
+        cpu0 = {n: _cpu_seconds(p) for n, p in pids.items()}
+        snap0 = _stage0_snapshot(sw)
+        _say(f"measuring for {window_s:.0f} s", quiet)
+        sw.wait_for(lambda: time.monotonic() - t0 >= window_s, window_s + 5, "the window", 0.2)
+        st1, t1 = sw.status(), time.monotonic()
+        cpu1 = {n: _cpu_seconds(p) for n, p in pids.items()}
+        snap1 = _stage0_snapshot(sw)
+        losses = {n: sw.scrape(n).get("agora_node_loss") for n, s in NODES if s == 0}
+        codes = sw.stop()
+        _say(f"swarm stopped: exit codes {codes}", quiet)
+    finally:
+        sw.kill_all()
+        if shaping is not None and shaping.proxy is not None:
+            shaping.proxy.send_signal(signal.SIGINT)
+            try:
+                shaping.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                shaping.proxy.kill()
+                shaping.proxy.wait(5)
+    wall = t1 - t0
+    tokens = st1.committed_tokens - st0.committed_tokens
+    mbs = snap1["mb_count"] - snap0["mb_count"]
+    trained = snap1["trained"] - snap0["trained"]
+    committed_or_trained = trained if outer_every_steps else tokens
+    out: dict[str, Any] = {
+        "tokens": committed_or_trained,
+        "committed_tokens": tokens,
+        "trained_tokens": trained,
+        "seconds": wall,
+        "committed_tokens_per_s": tokens / wall,
+        "trained_tokens_per_s": trained / wall,
+        # Without outer rounds a micro-batch is committed as it finishes, so committed
+        # tokens are the measure; with them commits come in outer-round lumps, so the
+        # tokens stage 0 finished backward for are.
+        "tokens_per_s": committed_or_trained / wall,
+        "measured_as": (
+            "stage-0 agora_node_tokens_total over the window"
+            if outer_every_steps
+            else "coordinator committed tokens over the window"
+        ),
+        "coordinator_tokens_per_s": st1.tokens_per_s,
+        "microbatches": mbs,
+        "microbatch_round_trip_s": (snap1["mb_sum"] - snap0["mb_sum"]) / mbs if mbs else None,
+        "retried": snap1["retried"] - snap0["retried"],
+        "boundary_wire_bytes_per_s": (snap1["wire"] - snap0["wire"]) / wall,
+        "cpu_seconds": {n: cpu1[n] - cpu0[n] for n in pids},
+        "cpu_cores_used": sum(cpu1[n] - cpu0[n] for n in pids) / wall,
+        "stage0_loss_at_end": losses,
+        "exit_codes": codes,
+    }
+    if shaping is not None and shaping.stats_file is not None and shaping.stats_file.exists():
+        proxied = json.loads(shaping.stats_file.read_text())
+        out["proxy"] = {
+            "rate_mbit": shaping.rate_mbit,
+            "delay_ms_each_way": shaping.delay_ms,
+            "bytes": sum(r["bytes_up"] + r["bytes_down"] for r in proxied.values()),
+            "connections": sum(r["connections"] for r in proxied.values()),
+            "routes": proxied,
+        }
+    return out
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"agora bench efficiency ({result['preset']} preset)")
+    for col in ("run", "tokens/s", "ratio", "cores used", "mb round trip", "retries"):
+        table.add_column(col, justify="right" if col != "run" else "left")
+    for key in ("loopback", "shaped"):
+        c = result.get(f"central_{key}")
+        if c is None:
+            continue
+        for sub in ("threads_n", "threads_1"):
+            m = c[sub]
+            table.add_row(
+                f"centralised, {m['threads']} thread(s), before {key}",
+                f"{m['tokens_per_s']:.0f}", "", f"{m['cpu_seconds'] / m['seconds']:.2f}", "", "",
+            )  # fmt: skip
+    for key, label in (("loopback", "swarm 2x2, loopback"), ("shaped", "swarm 2x2, shaped link")):
+        s = result.get(f"swarm_{key}")
+        if s is None:
+            continue
+        rt = s["microbatch_round_trip_s"]
+        table.add_row(
+            label,
+            f"{s['tokens_per_s']:.0f}",
+            f"{result[f'ratio_{key}']:.3f}",
+            f"{s['cpu_cores_used']:.2f}",
+            f"{rt * 1000:.0f} ms" if rt else "-",
+            f"{s['retried']:.0f}",
+        )
+    console = Console()
+    console.print(table)
+    for key in ("loopback", "shaped"):
+        if f"ratio_{key}" in result:
+            console.print(
+                f"ratio_{key} = {result[f'ratio_{key}']:.3f} (vs the faster centralised run); "
+                f"vs {result['central_loopback']['threads_n']['threads']} threads only: "
+                f"{result[[k for k in result if k.startswith(f'ratio_{key}_vs_')][0]]:.3f}; "
+                f"tokens per CPU-second vs 1-thread centralised: {result[f'cpu_ratio_{key}']:.3f}"
+            )
+    console.print(f"load average {result['loadavg_start']} -> {result['loadavg_end']}")
+
+
+def _central_pair(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
+    """The centralised rate with every core's threads and with one thread, back to back."""
+    n = args.central_threads
+    _say(f"centralised, {n} threads, {args.central_seconds:.0f} s", quiet)
+    many = measure_central(args.preset, n, args.central_batch, args.central_seconds)
+    _say(f"centralised, {n} threads: {many['tokens_per_s']:.0f} tokens/s; now 1 thread", quiet)
+    one = measure_central(args.preset, 1, args.central_batch, args.central_seconds)
+    _say(f"centralised, 1 thread: {one['tokens_per_s']:.0f} tokens/s", quiet)
+    return {"threads_n": many, "threads_1": one}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="agora bench efficiency",
+        description="Swarm tokens/s (2 stages x 2 replicas) over centralised tokens/s on the"
+        " same cores, on loopback and through an emulated consumer link.",
+    )
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--preset", default="small", help="model preset (default small)")
+    p.add_argument("--central-threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads of the centralised run (default: every core)")  # fmt: skip
+    p.add_argument("--central-batch", type=int, default=32,
+                   help="sequences per centralised step (default 32 = 4096 tokens)")  # fmt: skip
+    p.add_argument("--central-seconds", type=float, default=30.0, help="centralised timing (s)")
+    p.add_argument("--warmup-s", type=float, default=15.0, help="swarm warm-up after 1st commit")
+    p.add_argument("--window-s", type=float, default=40.0, help="swarm measurement window (s)")
+    p.add_argument("--rate-mbit", type=float, default=80.0, help="shaped link rate (Mbit/s)")
+    p.add_argument("--delay-ms", type=float, default=20.0, help="shaped one-way delay (ms)")
+    p.add_argument(
+        "--outer-every-steps", type=int, default=0,
+        help="nodes' DiLoCo outer_every_steps (default 0: pipeline only, commit per micro-batch)",
+    )  # fmt: skip
+    p.add_argument("--no-shaped", action="store_true", help="skip the shaped-link run")
+    p.add_argument("--workdir", type=Path, help="keep logs here (default: a temporary dir)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from node.model import PRESETS
+
+    if args.preset not in PRESETS:
+        print(f"agora bench efficiency: unknown preset {args.preset!r}", file=sys.stderr)
+        return 2
+    if args.central_threads < 1 or args.window_s <= 0 or args.central_seconds <= 0:
+        print(
+            "agora bench efficiency: threads, window and seconds must be positive", file=sys.stderr
+        )
+        return 2
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="agora-efficiency-")
+        workdir = Path(tmp.name)
+    else:
+        workdir = args.workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+    q = args.quiet
+    result: dict[str, Any] = {
+        "preset": args.preset,
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "swarm": "2 stages x 2 replicas, 1 torch thread per node, default node settings",
+        "outer_every_steps": args.outer_every_steps,
+    }
+    started = time.perf_counter()
+    try:
+        for key, shaping in (
+            ("loopback", None),
+            ("shaped", Shaping(args.rate_mbit, args.delay_ms)),
+        ):
+            if key == "shaped" and args.no_shaped:
+                continue
+            central = _central_pair(args, q)
+            result[f"central_{key}"] = central
+            swarm = measure_swarm(
+                args.preset, workdir / key,
+                warmup_s=args.warmup_s, window_s=args.window_s, shaping=shaping,
+                outer_every_steps=args.outer_every_steps, quiet=q,
+            )  # fmt: skip
+            result[f"swarm_{key}"] = swarm
+            _say(f"{key} swarm: {swarm['tokens_per_s']:.0f} tokens/s", q)
+            best = max(central["threads_n"]["tokens_per_s"], central["threads_1"]["tokens_per_s"])
+            result[f"ratio_{key}"] = swarm["tokens_per_s"] / best
+            result[f"ratio_{key}_vs_{args.central_threads}_threads"] = (
+                swarm["tokens_per_s"] / central["threads_n"]["tokens_per_s"]
+            )
+            swarm_cpu = sum(v for v in swarm["cpu_seconds"].values() if v == v)
+            c1 = central["threads_1"]
+            result[f"cpu_ratio_{key}"] = (swarm["tokens"] / swarm_cpu) / (
+                c1["tokens"] / c1["cpu_seconds"]
+            )
+            if shaping is not None:
+                result["shaping"] = (
+                    "userspace TCP proxy (bench.shaping_proxy): this kernel has no sch_netem; "
+                    f"{args.rate_mbit} Mbit/s per direction per node, {args.delay_ms} ms each way"
+                )
+    except KeyboardInterrupt:
+        print("agora bench efficiency: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    result["loadavg_end"] = os.getloadavg()
+    result["wall_seconds"] = time.perf_counter() - started
+    print_table(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
