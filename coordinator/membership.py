@@ -239,6 +239,13 @@ class Membership:
             self.journal.peer_expiry[peer_id] = peer
         return peer
 
+    def announce(self, peer_id: str, dht_addrs: list[str]) -> None:
+        """A live peer's new DHT addresses (versioned: other nodes bootstrap from them)."""
+        peer = self.live.get(peer_id)
+        if peer is not None and peer.dht_addrs != dht_addrs:
+            peer.dht_addrs = list(dht_addrs)
+            self._change(peer, "update")
+
     def remove(self, peer_id: str, state: str) -> Peer | None:
         """Take a peer out of the view: `left`, `dead` (TTL lapsed) or `banned`."""
         peer = self.live.pop(peer_id, None)

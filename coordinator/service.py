@@ -253,6 +253,8 @@ class Service:
 
     def _heartbeat(self, peer: Peer, req: c.HeartbeatRequest, now: float) -> Message:
         self.membership.renew(peer.peer_id, now, req.throughput)
+        if req.dht_addrs is not None:
+            self.membership.announce(peer.peer_id, req.dht_addrs)
         held = self.book.renew(peer.peer_id, now)
         renewed = [c.LeaseRef(lease_id=x.lease_id, epoch=x.epoch) for x in held]
         live = {(x.lease_id, x.epoch) for x in held}

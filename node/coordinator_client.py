@@ -98,6 +98,7 @@ class CoordinatorClient:
         self.join_request: c.JoinRequest | None = None
         self.joined: c.JoinReply | None = None
         self.view = MembershipView()
+        self._announce: list[str] | None = None  # DHT addresses for the next heartbeat
 
     @property
     def peer_id(self) -> str:
@@ -191,11 +192,21 @@ class CoordinatorClient:
     async def heartbeat(
         self, leases: list[c.LeaseRef] | None = None, throughput: float | None = None
     ) -> c.HeartbeatReply:
+        announce = self._announce
         reply = await self._typed(
-            c.HeartbeatRequest(leases=leases or [], throughput=throughput), c.HeartbeatReply
+            c.HeartbeatRequest(leases=leases or [], throughput=throughput, dht_addrs=announce),
+            c.HeartbeatReply,
         )
         assert isinstance(reply, c.HeartbeatReply)
+        if announce is self._announce:
+            self._announce = None
         return reply
+
+    def announce_dht(self, addrs: list[str]) -> None:
+        """Publish new DHT addresses with the next heartbeat (and in any re-join)."""
+        self._announce = list(addrs)
+        if self.join_request is not None:
+            self.join_request = dataclasses.replace(self.join_request, dht_addrs=list(addrs))
 
     async def heartbeat_loop(
         self,

@@ -31,9 +31,10 @@ from node.coordinator_client import (
     CoordinatorUnavailable,
     FencedError,
 )
+from node.diloco import DilocoConfig
 from node.lease_progress import LeaseProgress
 from node.model import preset
-from node.outer_link import OuterConfig, RoundResult
+from node.outer_link import OuterConfig, OuterLinkError, RoundResult
 from node.outer_rounds import OuterRounds, Snapshot
 from node.p2p.transport import Transport, TransportError
 from node.routing import Router
@@ -156,11 +157,16 @@ class Node:
 
     def _dht_root(self) -> PeerInfo | None:
         """The run's canonical DHT bootstrap: the member with the smallest peer id that
-        announces a DHT. Nodes that started at the same moment each began a DHT of their
-        own; before their first round they all move to the root's, so groups can form."""
-        return min(
-            (p for p in self.members.values() if p.dht_addrs), key=lambda p: p.peer_id, default=None
+        announces a DHT, or None when that is this node. Nodes that start at the same
+        moment each begin a DHT of their own; before their first round they all move to
+        the root's, so groups can form. The smallest id never moves, so this converges."""
+        me = self.transport.peer_id
+        root = min(
+            (p for p in self.members.values() if p.dht_addrs and p.peer_id != me),
+            key=lambda p: p.peer_id,
+            default=None,
         )
+        return root if root is not None and root.peer_id < me else None
 
     async def _outer_loop(self) -> None:
         while True:
@@ -171,7 +177,7 @@ class Node:
                 self.outer.rounds == 0
                 and not self.outer.in_flight
                 and root is not None
-                and root.peer_id not in (self._dht_bootstrap, self.transport.peer_id)
+                and root.peer_id != self._dht_bootstrap
             ):
                 log.info(
                     "outer: moving to the run's DHT at %s before the first round", root.peer_id
@@ -187,12 +193,26 @@ class Node:
         assert self.join is not None and self.compute is not None
         me = self.transport.peer_id
         root = self._dht_root()
-        if root is not None and root.peer_id == me:
-            root = None
         bootstrap = root.dht_addrs if root is not None else []
         self._dht_bootstrap = root.peer_id if root is not None else me
         replicas = [p for p in self.members.values() if p.peer_id != me and p.stage == self.stage]
-        self.outer = await OuterRounds.start(
+        try:
+            self.outer = await self._outer_rounds(bootstrap)
+        except (OuterLinkError, TimeoutError, OSError) as exc:
+            if not bootstrap:
+                raise
+            # The root may have just left: start a DHT of our own; the next root check
+            # (before the first round) moves us to the run's DHT again.
+            log.warning("outer: could not join the DHT at %s (%s); starting our own", root, exc)
+            self._dht_bootstrap = me
+            self.outer = await self._outer_rounds([])
+        await self.outer.load_state(replicas_exist=any(p.dht_addrs for p in replicas))
+        # Announce the DHT (next heartbeat), so other nodes can bootstrap from it.
+        self.client.announce_dht(self.outer.link.dht_addrs())
+
+    async def _outer_rounds(self, bootstrap: list[str]) -> OuterRounds:
+        assert self.join is not None and self.compute is not None
+        return await OuterRounds.start(
             self.worker,
             self.compute,
             run_id=self.join.run.run_id,
@@ -203,22 +223,19 @@ class Node:
                 matchmaking_s=self.cfg.outer_matchmaking_s,
                 request_timeout_s=min(1.0, self.cfg.outer_matchmaking_s / 2),
                 round_timeout_s=self.cfg.outer_timeout_s,
+                diloco=DilocoConfig(participation_power=self.cfg.outer_participation_power),
             ),
             every_steps=self.cfg.outer_every_steps,
             snapshot=self._commit_snapshot,
             on_applied=self._outer_applied,
+            target_tokens=self._round_target,  # participation rule (docs/outer-loop.md)
         )
-        await self.outer.load_state(replicas_exist=any(p.dht_addrs for p in replicas))
-        # Re-join on the same stage with the DHT addresses, so later nodes can bootstrap.
-        assert self.client.join_request is not None
-        req = self.client.join_request
-        self.join = await self.client.join(
-            JoinRequest(
-                addrs=req.addrs, dht_addrs=self.outer.link.dht_addrs(), device=req.device,
-                deadline=req.deadline, stage=self.stage, join_token=req.join_token,
-                metrics_port=req.metrics_port,
-            )
-        )  # fmt: skip
+
+    def _round_target(self) -> int:
+        """Tokens a full outer round gathers: every replica of this stage in the membership
+        view trains `outer_every_steps` inner steps of `inner_batch_tokens` each."""
+        replicas = sum(1 for p in self.members.values() if p.stage == self.stage)
+        return max(1, replicas) * self.cfg.outer_every_steps * self.cfg.inner_batch_tokens
 
     def _commit_snapshot(self) -> Snapshot:
         """Commit points the round being started will cover (stage 0 only)."""

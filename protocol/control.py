@@ -181,6 +181,8 @@ class JoinReply(Message):
 class HeartbeatRequest(Message):
     leases: list[LeaseRef] = bounded(max_len=1024, default_factory=list)  # leases held
     throughput: float | None = bounded(ge=0.0, le=1e12, default=None)  # tokens/s update
+    # the node's hivemind DHT addresses, sent once when they change (None = unchanged)
+    dht_addrs: list[str] | None = bounded(max_len=MAX_ADDRS, default=None)
 
 
 @message("heartbeat.reply", version=1)
