@@ -11,6 +11,7 @@ from pathlib import Path
 
 import trio
 
+from node.identity import load_or_create_key
 from node.launch.base import SchedulerError
 from node.launch.config import LaunchConfig
 from protocol.identity import NodeKey
@@ -49,21 +50,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--once", action="store_true", help="poll once and exit (for cron)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p.parse_args(argv)
-
-
-def load_key(path: Path) -> NodeKey:
-    """The launcher's ed25519 seed at `path`, created (mode 0600) on first run."""
-    if path.exists():
-        seed = path.read_bytes()
-        if len(seed) != 32:
-            raise ValueError(f"identity file {path} must hold a 32-byte ed25519 seed")
-        return NodeKey(seed)
-    key = NodeKey.generate()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(key.seed)
-    return key
 
 
 async def _run(cfg: LaunchConfig, key: NodeKey, once: bool) -> None:
@@ -108,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             },
         )
         cfg.workdir.mkdir(parents=True, exist_ok=True)
-        key = load_key(cfg.identity)
+        key = load_or_create_key(cfg.identity)
     except (ValueError, OSError) as exc:
         print(f"agora launch: {exc}", file=sys.stderr)
         return 2
