@@ -269,8 +269,8 @@ async def save_stage_state(
     operations), the write in a thread. A failed write is logged, never fatal."""
     import trio
 
-    if in_flight or not ck.due(final=final) or (final and link.round == ck.last_round):
-        return None
+    if in_flight or not ck.due(final=final) or int(link.round) == ck.last_round:
+        return None  # a round in flight, not due, or this state is on disk already
     meta, tensors = await worker.run(ck.capture, link.theta_g(), int(link.round))
     try:
         path: Path = await trio.to_thread.run_sync(ck.write, meta, tensors)

@@ -43,6 +43,9 @@ class NodeConfig:
     outer_compression: str = "fp16"  # pseudo-gradient codec: none | fp16 | uint8
     outer_matchmaking_s: float = 6.0  # seconds to gather replicas for a round
     outer_timeout_s: float = 20.0  # seconds an outer round may take once a group formed
+    # p in eta_r = eta * min(1, round tokens / target)^p; target = replicas of the stage x
+    # outer_every_steps x inner_batch_tokens (docs/outer-loop.md) (dimensionless)
+    outer_participation_power: float = 0.5
     checkpoint_dir: Path | None = None  # write stage{K}.safetensors + .json here (None = off)
     checkpoint_every_rounds: int = 1  # applied outer rounds between checkpoints (and at drain)
 
@@ -68,6 +71,10 @@ class NodeConfig:
             raise ValueError("timeouts must be positive")
         if self.deadline is not None and self.deadline <= time.time():
             raise ValueError(f"deadline {self.deadline} is already in the past")
+        if not 0.0 <= self.outer_participation_power <= 2.0:
+            raise ValueError(
+                f"outer_participation_power must be in [0, 2], got {self.outer_participation_power}"
+            )
         if self.checkpoint_every_rounds < 1:
             raise ValueError(
                 f"checkpoint_every_rounds must be >= 1, got {self.checkpoint_every_rounds}"

@@ -238,15 +238,24 @@ class OuterLink:
         self.digest = str(reply["digest"])
         return self.round
 
-    def begin_round(self, params: Sequence[torch.Tensor], tokens: int) -> None:
+    def begin_round(
+        self, params: Sequence[torch.Tensor], tokens: int, target_tokens: int | None = None
+    ) -> None:
         """Hand the working copy (as it is now) and the tokens trained since the last
-        theta_g to the outer process, which runs the round in the background."""
+        theta_g to the outer process, which runs the round in the background.
+        `target_tokens` (a full round's tokens over the stage's replicas) replaces
+        `DilocoConfig.target_tokens` from this round on; None keeps it."""
         self._require_idle()
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         t0 = time.monotonic()
         self._copy_in(params)
-        self._send({"op": "begin", "tokens": int(tokens)})
+        cmd: dict[str, Any] = {"op": "begin", "tokens": int(tokens)}
+        if target_tokens is not None:
+            if target_tokens < 0:
+                raise ValueError(f"target_tokens must be >= 0, got {target_tokens}")
+            cmd["target_tokens"] = int(target_tokens)
+        self._send(cmd)
         self._pending = "result"
         self.stall_s += time.monotonic() - t0
 

@@ -40,8 +40,10 @@ class OuterRounds:
         every_steps: int,
         snapshot: Callable[[], Snapshot],
         on_applied: Callable[[RoundResult, Snapshot], Awaitable[None]],
+        target_tokens: Callable[[], int] | None = None,
     ) -> None:
         self.worker = worker
+        self._target_fn = target_tokens  # a full round's tokens now (participation rule)
         self.compute = compute
         self.link = link
         self.every_steps = every_steps  # inner steps between round starts
@@ -66,6 +68,7 @@ class OuterRounds:
         every_steps: int,
         snapshot: Callable[[], Snapshot],
         on_applied: Callable[[RoundResult, Snapshot], Awaitable[None]],
+        target_tokens: Callable[[], int] | None = None,
     ) -> OuterRounds:
         numel = sum(p.numel() for p in compute.parameters())
         link = await trio.to_thread.run_sync(
@@ -79,8 +82,9 @@ class OuterRounds:
         )
         log.info("outer: hivemind DHT up at %s (%d parameters)", link.dht_addrs(), numel)
         return cls(
-            worker, compute, link, every_steps=every_steps, snapshot=snapshot, on_applied=on_applied
-        )
+            worker, compute, link, every_steps=every_steps, snapshot=snapshot,
+            on_applied=on_applied, target_tokens=target_tokens,
+        )  # fmt: skip
 
     async def load_state(self, replicas_exist: bool) -> None:
         """A joiner takes (theta_g, m, round) from a live replica; the first one seeds it."""
@@ -129,7 +133,8 @@ class OuterRounds:
         self._steps_at_last = self.compute.inner_steps
         self._tokens_at_last = self.compute.tokens_trained
         self._round_started = time.monotonic()
-        await self.worker.run(self.link.begin_round, self.compute.parameters(), tokens)
+        target = self._target_fn() if self._target_fn is not None else None
+        await self.worker.run(self.link.begin_round, self.compute.parameters(), tokens, target)
 
     async def _apply(self, result: RoundResult) -> None:
         snapshot, self._in_flight = self._in_flight or {}, None

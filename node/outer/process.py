@@ -120,6 +120,8 @@ class OuterProcess:
                     rnd = self.state.round if self.state else -1
                     self.send({"op": "state", "ok": ok, "round": rnd, "digest": self.digest})
                 elif op == "begin":
+                    if "target_tokens" in cmd:  # the participation rule's target (tokens)
+                        self.cfg.diloco.target_tokens = max(0, int(cmd["target_tokens"]))
                     self.send(self.run_round(int(cmd["tokens"])))
                 else:
                     raise ValueError(f"unknown command {op!r}")
