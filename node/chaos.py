@@ -131,6 +131,7 @@ class Run:
             node_args=["--outer-every-steps", str(cfg.outer_every_steps)],
         )
         self.lock = threading.RLock()
+        self.coordinator_busy = threading.Lock()  # held during a coordinator kill+restart
         self.killed: set[str] = set()  # processes we SIGKILLed (not crashes)
         self.stopped: set[str] = set()  # nodes currently SIGSTOPped
         self.crashed: dict[str, str] = {}  # name -> why (exit code, log tail)
@@ -304,20 +305,30 @@ class Run:
         self.note("zombie_resumed", victim=name)
 
     def _kill_coordinator(self, f: Fault) -> None:
-        coord = self.swarm.coordinator
-        assert coord is not None
-        with self.lock:
-            self.killed.add("coordinator")
-        coord.signal(signal.SIGKILL)
-        coord.popen.wait(10)
-        self.counts[f.kind] += 1
-        time.sleep(f.hold_s)
-        t = time.monotonic()
-        with self.lock:
+        # One coordinator fault at a time: a restart can take tens of seconds on a
+        # loaded machine, and a second kill must hit the restarted process, not the dead
+        # one (nor start a second coordinator on the same port).
+        if not self.coordinator_busy.acquire(blocking=False):
+            self.skipped[f.kind] += 1
+            self.note("skip", fault=f.kind, why="a coordinator restart is in progress")
+            return
+        try:
+            with self.lock:
+                coord = self.swarm.coordinator
+                assert coord is not None
+                self.killed.add("coordinator")
+            coord.signal(signal.SIGKILL)
+            coord.popen.wait(10)
+            self.counts[f.kind] += 1
+            time.sleep(f.hold_s)
+            t = time.monotonic()
             self.swarm.start_coordinator()
-            self.coordinator_generation += 1
-            self.killed.discard("coordinator")
-        self.note(f.kind, down_s=f.hold_s, restart_s=round(time.monotonic() - t, 2))
+            with self.lock:
+                self.coordinator_generation += 1
+                self.killed.discard("coordinator")
+            self.note(f.kind, down_s=f.hold_s, restart_s=round(time.monotonic() - t, 2))
+        finally:
+            self.coordinator_busy.release()
 
     def _rogue(self, f: Fault, attacks: str) -> None:
         healthy = self.healthy()
