@@ -52,6 +52,7 @@ log = logging.getLogger("agora.chaos")
 
 KINDS = ("kill_node", "zombie", "kill_coordinator", "cut_stream", "rogue", "join_mid_round")
 LEASE_TTL_S = 10.0  # the LocalSwarm run's lease TTL (run.toml), seconds
+RESTART_TIMEOUT_S = 240.0  # seconds a restarted coordinator may take to serve (loaded box)
 SAMPLE_S = 3.0  # seconds between loss / RSS / liveness samples
 REPO = Path(__file__).resolve().parent.parent
 
@@ -322,7 +323,7 @@ class Run:
             self.counts[f.kind] += 1
             time.sleep(f.hold_s)
             t = time.monotonic()
-            self.swarm.start_coordinator()
+            self.swarm.start_coordinator(timeout_s=RESTART_TIMEOUT_S)
             with self.lock:
                 self.coordinator_generation += 1
                 self.killed.discard("coordinator")
