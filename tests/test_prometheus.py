@@ -454,3 +454,55 @@ def test_series_stay_bounded_as_1000_peers_come_and_go(coordinator: Coordinator)
     # The series set stops growing once every label value has been seen once.
     assert counts[-1] == counts[2], counts
     assert counts[-1] < 300, counts
+
+
+# --- a real Prometheus against real nodes ----------------------------------------------------
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_prometheus_scrapes_training_nodes(tmp_path: Path) -> None:
+    """Two real agora-node processes (stage 0 and 1) are discovered through the
+    coordinator's file SD, and their tokens and loss series reach Prometheus."""
+    from node.swarm import LocalSwarm
+
+    sd_file = tmp_path / "nodes.json"
+    metrics_port = free_port()
+    swarm = LocalSwarm(
+        workdir=tmp_path / "swarm",
+        preset="tiny",
+        coordinator_args=["--metrics-port", str(metrics_port), "--prometheus-sd", str(sd_file)],
+        node_args=["--outer-every-steps", "0"],
+    )
+    try:
+        swarm.start_coordinator()
+        nodes = [swarm.add_node("s0", 0), swarm.add_node("s1", 1)]
+        prom = Prometheus(
+            tmp_path, prometheus_config(tmp_path, f"127.0.0.1:{metrics_port}", sd_file)
+        )
+        try:
+            want = {f"127.0.0.1:{n.metrics_port}" for n in nodes}
+
+            def healthy() -> bool:
+                up = {
+                    t["labels"]["instance"]
+                    for t in prom.targets("agora-node")
+                    if t["health"] == "up"
+                }
+                return up == want
+
+            wait_for(f"both nodes {sorted(want)} up as targets", healthy, timeout=120)
+            wait_for(
+                "tokens series from both nodes",
+                lambda: len(prom.series("agora_node_tokens_total > 0")) == 2,
+                timeout=120,
+            )
+            wait_for("a loss series", lambda: prom.series("agora_node_loss > 0"), timeout=60)
+            stages = {s["metric"]["stage"] for s in prom.series("agora_coordinator_peers > 0")}
+            assert stages == {"0", "1"}
+        finally:
+            prom.stop()
+        codes = swarm.stop()
+        assert codes == {"s0": 0, "s1": 0, "coordinator": 0}, codes
+    finally:
+        swarm.kill_all()
