@@ -35,6 +35,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from node.p2p import metrics
 from node.p2p.limits import MembershipFilter, PeerLimits, Refusal, allow_everyone
+from node.p2p.relay import RelaySupport, is_circuit
 from node.p2p.transport import (
     Handler,
     P2PConfig,
@@ -102,6 +103,7 @@ class Libp2pTransport:
         if host_id != key.peer_id:  # the one-identity rule of DESIGN.md section 2
             raise RuntimeError(f"libp2p peer id {host_id} differs from NodeKey {key.peer_id}")
         self.limits = PeerLimits(self.cfg.limits, allow)
+        self.relay = RelaySupport(self._host, self.cfg)  # circuit relay v2 (node.p2p.relay)
         self._handlers: dict[str, Handler] = {}
         self._nursery: trio.Nursery | None = None
         # idle outbound streams for reuse, per (peer id, protocol id): (stream, idle since)
@@ -116,6 +118,11 @@ class Libp2pTransport:
 
     @property
     def listen_addrs(self) -> list[str]:
+        """Direct addresses, then `<relay>/p2p-circuit/p2p/<self>` for each held reservation."""
+        return self.direct_addrs + self.relay.circuit_addrs
+
+    @property
+    def direct_addrs(self) -> list[str]:
         return [str(a) for a in self._host.get_addrs()]
 
     @property
@@ -147,8 +154,9 @@ class Libp2pTransport:
     @asynccontextmanager
     async def run(self) -> AsyncIterator[Libp2pTransport]:
         listen = [multiaddr.Multiaddr(a) for a in self.cfg.listen]
-        async with self._host.run(listen), trio.open_nursery() as nursery:
+        async with self._host.run(listen), self.relay.running(), trio.open_nursery() as nursery:
             self._nursery = nursery
+            await self.relay.reserve_all(nursery)  # an error here cancels the nursery
             log.info("p2p: peer %s listening on %s", self.peer_id, self.listen_addrs or "nothing")
             try:
                 yield self
@@ -303,7 +311,17 @@ class Libp2pTransport:
             known = self._host.get_peerstore().addrs(pid)
             if not known:
                 raise TransportError(f"no address known for peer {peer_id}", peer_id=peer_id)
-            await self._host.connect(PeerInfo(pid, known))
+            direct = [a for a in known if not is_circuit(a)]
+            circuits = [a for a in known if is_circuit(a)]
+            try:
+                if not direct:
+                    raise ConnectionError("no direct address")
+                await self._host.connect(PeerInfo(pid, direct))
+            except Exception as exc:
+                if not circuits:
+                    raise
+                log.debug("p2p: direct dial of %s failed (%r); trying relays", peer_id, exc)
+                await self.relay.dial(peer_id, circuits)
         return await self._host.new_stream(pid, [TProtocol(protocol_id)])
 
     def _take_pooled(self, key: tuple[str, str]) -> Any | None:

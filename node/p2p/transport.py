@@ -101,6 +101,14 @@ class P2PConfig:
     pool_max_idle_per_peer: int = 8  # idle outbound streams kept per (peer, protocol)
     max_outbound_streams_per_peer: int = 32  # concurrent outbound requests per peer; more wait
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
+    # circuit relay v2 (node.p2p.relay)
+    relays: list[str] = dataclasses.field(default_factory=list)  # relay multiaddrs (/p2p/<id>)
+    relay_hop: bool = False  # also serve as a relay hop for other peers
+    relay_renew_s: float = 60.0  # seconds between reservation renewals (at most)
+    relay_timeout_s: float = 20.0  # seconds one reservation attempt may take
+    relay_reservation_ttl_s: float = 600.0  # seconds a reservation we grant (as hop) lasts
+    relay_max_reservations: int = 1024  # reservations we hold for others (as hop)
+    relay_max_circuits: int = 64  # concurrent relayed connections per reserved peer (as hop)
 
     def __post_init__(self) -> None:
         if not 16 <= self.max_frame <= 2**32 - 1:
@@ -126,6 +134,12 @@ class P2PConfig:
             )
         if not 0 <= self.pool_max_idle_per_peer <= self.max_outbound_streams_per_peer:
             raise ValueError("pool_max_idle_per_peer must be in [0, max_outbound_streams_per_peer]")
+        if not 0 < self.relay_renew_s < self.relay_reservation_ttl_s:
+            raise ValueError("relay_renew_s must be positive and below relay_reservation_ttl_s")
+        if self.relay_timeout_s <= 0:
+            raise ValueError("relay_timeout_s must be positive")
+        if self.relay_max_reservations < 1 or self.relay_max_circuits < 1:
+            raise ValueError("relay_max_reservations and relay_max_circuits must be >= 1")
         if self.limits.max_bytes_in_flight_per_peer < self.max_frame:
             raise ValueError(
                 "limits.max_bytes_in_flight_per_peer must be at least max_frame, "

@@ -1,0 +1,331 @@
+"""Circuit-relay v2 for the data plane: serve a hop, hold reservations, dial circuits.
+
+A node with no inbound connectivity (`agora-node --no-listen`, a compute node behind a
+cluster's NAT) reaches the swarm through a relay it connects to itself:
+
+- It reserves a slot on every relay in `P2PConfig.relays` (multiaddrs ending in
+  `/p2p/<relay id>`), renews the reservation well before it expires and at once when the
+  relay connection drops, and announces `<relay addr>/p2p-circuit/p2p/<self>` as its
+  addresses (`RelaySupport.circuit_addrs`).
+- A peer whose only known addresses are circuit addresses is dialled through the relay
+  (`RelaySupport.dial`): a hop CONNECT to the relay, which opens a stop stream to the
+  destination over the destination's own outbound connection; Noise and Yamux are then
+  negotiated end to end over that stream, so the relay sees only ciphertext.
+- A well-connected node serves the hop itself (`P2PConfig.relay_hop`, `agora-node
+  --relay-hop`), and `python -m node.p2p.relay` runs a stand-alone relay (which
+  `agora-coordinator --relay` starts as a child process).
+
+Built on py-libp2p's `CircuitV2Protocol` (hop and stop handlers) and
+`CircuitV2Transport` (the dialling side); only the reservation keeping is our own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.tools.anyio_service import background_trio_service
+
+log = logging.getLogger(__name__)
+
+CIRCUIT = "/p2p-circuit"
+CHECK_EVERY_S = 1.0  # seconds between checks that a relay connection is still up
+MAX_BACKOFF_S = 30.0  # seconds, the longest wait between reservation attempts
+
+
+class _QuietReservationEof(logging.Filter):
+    """py-libp2p logs an ERROR each time a client closes its RESERVE stream (normal EOF)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (text.startswith("Error reading from hop stream") and text.endswith(": "))
+
+
+logging.getLogger("libp2p.relay.circuit_v2.protocol").addFilter(_QuietReservationEof())
+
+
+class RelayAddressError(ValueError):
+    """A relay multiaddr that cannot be used (no `/p2p/<relay id>`, or malformed)."""
+
+
+def is_circuit(addr: str | multiaddr.Multiaddr) -> bool:
+    return CIRCUIT in str(addr)
+
+
+def parse_relay_addr(addr: str) -> tuple[multiaddr.Multiaddr, ID]:
+    """`/ip4/.../tcp/N/p2p/<id>` -> (transport address without /p2p, relay peer id)."""
+    try:
+        ma = multiaddr.Multiaddr(addr)
+        relay_id = ma.value_for_protocol("p2p")
+    except Exception as exc:
+        raise RelayAddressError(f"bad relay multiaddr {addr!r}: {exc}") from exc
+    if not relay_id or is_circuit(addr):
+        raise RelayAddressError(
+            f"relay multiaddr {addr!r} must be a plain address ending in /p2p/<relay peer id>"
+            " (as `python -m node.p2p.relay` prints it)"
+        )
+    try:
+        pid = ID.from_base58(relay_id)
+    except Exception as exc:
+        raise RelayAddressError(f"bad relay peer id in {addr!r}: {exc}") from exc
+    return ma.decapsulate(multiaddr.Multiaddr(f"/p2p/{relay_id}")), pid
+
+
+def relay_limits(cfg: Any) -> RelayLimits:
+    """Hop limits from a `P2PConfig`: circuits last as long as the connection (duration 0)."""
+    return RelayLimits(
+        duration=0,  # no cap on a circuit's lifetime: training runs for days
+        data=1 << 62,  # bytes per circuit: effectively unlimited (the field is a uint64)
+        max_circuit_conns=cfg.relay_max_circuits,
+        max_reservations=cfg.relay_max_reservations,
+        reservation_ttl=int(cfg.relay_reservation_ttl_s),
+    )
+
+
+class RelaySupport:
+    """Circuit-relay v2 for one libp2p host: hop (optional), stop, dialling, reservations.
+
+    `start(nursery)` inside the running host; `circuit_addrs` lists the addresses other
+    peers can reach us at through relays that currently hold a reservation for us.
+    """
+
+    def __init__(self, host: Any, cfg: Any) -> None:
+        self._host = host
+        self.cfg = cfg
+        self.relays = list(cfg.relays)
+        self._parsed = [parse_relay_addr(a) for a in self.relays]  # fail early on a typo
+        self.proto = CircuitV2Protocol(host, limits=relay_limits(cfg), allow_hop=cfg.relay_hop)
+        # STOP: accept relayed connections; no CLIENT role, so dialling never reserves.
+        self.circuit = CircuitV2Transport(host, self.proto, RelayConfig(roles=RelayRole.STOP))
+        self._reserved: dict[str, float] = {}  # relay multiaddr -> reservation expiry (unix s)
+        self._dial_locks: dict[str, trio.Lock] = {}
+        self._first_try: dict[str, trio.Event] = {a: trio.Event() for a in self.relays}
+        self._errors: dict[str, str] = {}
+
+    # --- addresses ------------------------------------------------------------------------
+
+    @property
+    def circuit_addrs(self) -> list[str]:
+        """`<relay addr>/p2p-circuit/p2p/<self>` for each relay holding our reservation."""
+        me = self._host.get_id().to_string()
+        now = time.time()
+        return [f"{a}{CIRCUIT}/p2p/{me}" for a, exp in self._reserved.items() if exp > now]
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[RelaySupport]:
+        """Run the relay protocol service (hop if `relay_hop`; stop always)."""
+        async with background_trio_service(self.proto):
+            await self.proto.event_started.wait()
+            if self.cfg.relay_hop:
+                log.info("relay: serving circuit-relay v2 hop %s", HOP_PROTOCOL)
+            yield self
+
+    async def reserve_all(self, nursery: trio.Nursery) -> None:
+        """Keep a reservation on each configured relay (tasks in `nursery`).
+
+        Returns once every relay has answered its first reservation attempt (or failed
+        it), so that `circuit_addrs` is ready for the join; raises `ConnectionError` if
+        relays are configured but none accepted.
+        """
+        for addr, (ma, pid) in zip(self.relays, self._parsed, strict=True):
+            nursery.start_soon(self._keep_reservation, addr, ma, pid)
+        for event in self._first_try.values():
+            await event.wait()
+        if self.relays and not self._reserved:
+            detail = "; ".join(f"{a}: {e}" for a, e in self._errors.items())
+            raise ConnectionError(f"no relay accepted a reservation ({detail})")
+
+    async def _keep_reservation(self, addr: str, ma: multiaddr.Multiaddr, pid: ID) -> None:
+        """Reserve on one relay; renew before expiry and whenever the connection drops."""
+        backoff = 1.0
+        while True:
+            try:
+                expires = await self._reserve(ma, pid)
+            except Exception as exc:
+                lost = self._reserved.pop(addr, None) is not None
+                self._errors[addr] = f"{type(exc).__name__}: {exc}"
+                level = (
+                    logging.WARNING
+                    if lost or not self._first_try[addr].is_set()
+                    else (logging.DEBUG)
+                )
+                log.log(level, "relay: no reservation on %s (%s); retry in %.0f s",
+                        addr, self._errors[addr], backoff)  # fmt: skip
+                self._first_try[addr].set()
+                await trio.sleep(backoff)
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+                continue
+            if addr not in self._reserved:
+                log.info("relay: reserved a slot on %s for %.0f s; reachable at %s",
+                         addr, expires - time.time(), f"{addr}{CIRCUIT}/p2p/<self>")  # fmt: skip
+            self._reserved[addr] = expires
+            self._errors.pop(addr, None)
+            self._first_try[addr].set()
+            backoff = 1.0
+            # renew at half the remaining time (at most every relay_renew_s seconds), or at
+            # once when the relay connection goes away (the relay then drops the slot)
+            renew_at = trio.current_time() + max(
+                1.0, min(self.cfg.relay_renew_s, (expires - time.time()) / 2)
+            )
+            while trio.current_time() < renew_at and self._connected(pid):
+                await trio.sleep(CHECK_EVERY_S)
+            if not self._connected(pid):
+                log.warning("relay: connection to %s lost; reserving again", addr)
+                self._reserved.pop(addr, None)
+
+    def _connected(self, pid: ID) -> bool:
+        return bool(self._host.get_network().connections.get(pid))
+
+    async def _reserve(self, ma: multiaddr.Multiaddr, pid: ID) -> float:
+        """One RESERVE exchange; returns the expiry (unix seconds)."""
+        with trio.fail_after(self.cfg.relay_timeout_s):
+            if not self._connected(pid):
+                await self._host.connect(PeerInfo(pid, [ma]))
+            stream = await self._host.new_stream(pid, [HOP_PROTOCOL])
+            try:
+                ok = await self.circuit._make_reservation(stream, pid)
+            finally:
+                with trio.move_on_after(2.0):
+                    await stream.close()
+        if not ok:
+            raise ConnectionError("the relay refused the reservation")
+        expires = float(self.circuit._reservations.get(pid, 0))
+        if expires <= time.time():
+            raise ConnectionError(f"the relay granted an expired reservation ({expires})")
+        return expires
+
+    # --- dialling -------------------------------------------------------------------------
+
+    async def dial(self, peer_id: str, circuit_addrs: Sequence[multiaddr.Multiaddr]) -> None:
+        """Open a relayed connection to `peer_id` through one of its circuit addresses.
+
+        No deadline of its own: the caller's request deadline bounds it.
+        """
+        pid = ID.from_base58(peer_id)
+        lock = self._dial_locks.setdefault(peer_id, trio.Lock())
+        async with lock:  # concurrent requests share one relayed connection
+            if self._connected(pid):
+                return
+            errors = []
+            for ma in circuit_addrs:
+                try:
+                    relay_ma, dest = self.circuit.parse_circuit_ma(ma)
+                    if dest != pid:
+                        raise ValueError(f"circuit address names peer {dest}, not {peer_id}")
+                    relay_tcp, relay_id = parse_relay_addr(str(relay_ma))
+                    if not self._connected(relay_id):
+                        await self._host.connect(PeerInfo(relay_id, [relay_tcp]))
+                    await self.circuit.dial(ma)
+                    log.info("relay: connected to %s through %s", peer_id, relay_ma)
+                    return
+                except Exception as exc:
+                    errors.append(f"{ma}: {type(exc).__name__}: {exc}")
+            raise ConnectionError(f"cannot reach {peer_id} through a relay: {'; '.join(errors)}")
+
+
+# --- stand-alone relay process ----------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m node.p2p.relay",
+        description="Run a stand-alone libp2p circuit-relay v2 hop for Agora nodes started "
+        "with --no-listen. Prints `agora-relay at MULTIADDR` once it serves; pass that "
+        "multiaddr to the nodes with --relay.",
+    )
+    p.add_argument(
+        "--listen", default="/ip4/0.0.0.0/tcp/4001",
+        help="libp2p listen multiaddr (default /ip4/0.0.0.0/tcp/4001; tcp/0 = OS-chosen port)",
+    )  # fmt: skip
+    p.add_argument(
+        "--announce", default=None,
+        help="host or IP to print in the relay's address instead of the listen IP (needed "
+        "when listening on 0.0.0.0; default: the listen IP, or 127.0.0.1 for 0.0.0.0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--identity", type=Path, default=None,
+        help="ed25519 key file (created on first run), so the relay keeps its peer id "
+        "across restarts (default: a fresh key per start)",
+    )  # fmt: skip
+    p.add_argument("--addr-file", type=Path, default=None, help="also write the address here")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    return p.parse_args(argv)
+
+
+def announced_addrs(listen_addrs: Sequence[str], announce: str | None) -> list[str]:
+    """Dialable addresses: the IP is replaced by `announce` if given, a wildcard by 127.0.0.1."""
+    out = []
+    for addr in listen_addrs:
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            if announce is not None:
+                try:
+                    parts[1] = f"ip{ipaddress.ip_address(announce).version}"
+                except ValueError:
+                    parts[1] = "dns"
+                parts[2] = announce
+            elif parts[2] in ("0.0.0.0", "::"):
+                parts[1], parts[2] = "ip4", "127.0.0.1"
+        out.append("/".join(parts))
+    return out
+
+
+async def _serve_relay(args: argparse.Namespace) -> int:
+    from node.identity import load_or_create_key
+    from node.p2p.host import Libp2pTransport
+    from node.p2p.transport import P2PConfig
+    from protocol.identity import NodeKey
+
+    key = load_or_create_key(args.identity) if args.identity else NodeKey.generate()
+    transport = Libp2pTransport(key, P2PConfig(listen=[args.listen], relay_hop=True))
+    async with transport.run():
+        addrs = announced_addrs(transport.direct_addrs, args.announce)
+        for addr in addrs:
+            print(f"agora-relay at {addr}", flush=True)
+        if args.addr_file:
+            args.addr_file.write_text("".join(f"{a}\n" for a in addrs))
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+            async for signum in sigs:
+                log.info("relay: %s, stopping", signal.Signals(signum).name)
+                break
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        multiaddr.Multiaddr(args.listen)
+    except Exception as exc:
+        print(f"agora-relay: bad --listen {args.listen!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return trio.run(_serve_relay, args)
+    except OSError as exc:
+        print(f"agora-relay: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
