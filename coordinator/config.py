@@ -47,6 +47,10 @@ class CoordinatorConfig:
     metrics_port: int | None = None  # Prometheus port (0 = OS-chosen, None = off)
     metrics_host: str = "127.0.0.1"  # Prometheus listen address
     prometheus_sd: str | None = None  # file-SD JSON listing node metrics endpoints
+    relay: bool = False  # run a circuit-relay v2 hop (child process) for --no-listen nodes
+    relay_port: int = 0  # relay listen port on `host` (0 = OS-chosen; fix it for restarts)
+    relay_announce: str | None = None  # host/IP put in the relay's address (None: `host`)
+    relays: list[str] = dataclasses.field(default_factory=list)  # relay multiaddrs for nodes
     # storage
     db: str = "coordinator.sqlite"  # SQLite file (WAL mode)
     sync: str = "full"  # "full": fsync every group commit; "normal": survive process kill
@@ -118,6 +122,7 @@ class CoordinatorConfig:
             f"expiry_slack_s must be in [0, lease_ttl_s / 2], got {self.expiry_slack_s}",
         )
         need(0 <= self.port <= 65535, f"port out of range: {self.port}")
+        need(0 <= self.relay_port <= 65535, f"relay_port out of range: {self.relay_port}")
         need(
             self.metrics_port is None or 0 <= self.metrics_port <= 65535,
             f"metrics_port out of range: {self.metrics_port}",

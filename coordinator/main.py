@@ -15,6 +15,7 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, load_config
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.relay_child import RelayChild, RelayStartError
 from coordinator.server import CoordinatorServer
 from coordinator.store import SQLiteStore
 from protocol.corpus import Manifest, build_manifest, read_user_dataset, stdlib_corpus
@@ -61,11 +62,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--sync", choices=("full", "normal"), help="SQLite durability level")
     p.add_argument("--max-connections", type=int, help="concurrent connection limit")
+    p.add_argument(
+        "--relay", action="store_true", default=None,
+        help="also run a circuit-relay v2 hop (python -m node.p2p.relay) on --host for nodes"
+        " started with --no-listen; its address is handed to them",
+    )  # fmt: skip
+    p.add_argument("--relay-port", type=int, help="relay listen port (default 0: OS-chosen)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p.parse_args(argv)
 
 
 async def serve(cfg: CoordinatorConfig) -> int:
+    relay = None
+    if cfg.relay:
+        relay = await RelayChild.start(
+            host=cfg.host,
+            port=cfg.relay_port,
+            identity=Path(cfg.db).with_name(Path(cfg.db).name + ".relay.key"),
+            announce=cfg.relay_announce,
+        )
+        cfg.relays = [*relay.addrs, *cfg.relays]
+        print(f"agora-coordinator relay at {' '.join(relay.addrs)}", flush=True)
+    try:
+        return await _serve(cfg)
+    finally:
+        if relay is not None:
+            await relay.stop()
+
+
+async def _serve(cfg: CoordinatorConfig) -> int:
     manifest, corpus = await asyncio.to_thread(load_dataset, cfg)
     metrics = CoordinatorMetrics()
     store = SQLiteStore(cfg.db, sync=cfg.sync)
@@ -121,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             "heartbeat_interval_s",
             "sync",
             "max_connections",
+            "relay",
+            "relay_port",
         )
     }
     try:
@@ -132,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         return uvloop.run(serve(cfg))
-    except ValueError as exc:
+    except (ValueError, RelayStartError) as exc:
         print(f"agora-coordinator: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

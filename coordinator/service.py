@@ -249,6 +249,7 @@ class Service:
             dataset_hash=self.manifest.content_hash,
             shards=len(self.manifest.train),
             data_epoch=self.book.data_epoch,
+            relays=list(cfg.relays),
         )
 
     def _heartbeat(self, peer: Peer, req: c.HeartbeatRequest, now: float) -> Message:
@@ -438,6 +439,7 @@ class Service:
             tokens_per_s=max(rate, 0.0),
             eta_s=left / rate if rate > 0 else None,
             uptime_s=max(0.0, now - self.started),
+            relays=list(self.cfg.relays),
         )
 
 

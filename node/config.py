@@ -23,6 +23,10 @@ class NodeConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     identity: Path = Path("~/.config/agora/node.key")  # ed25519 seed file, created on first run
     listen: str = "/ip4/127.0.0.1/tcp/0"  # libp2p listen multiaddr (port 0 = OS-chosen)
+    no_listen: bool = False  # outbound only: reachable through a relay (circuit relay v2)
+    # relay multiaddrs ending in /p2p/<id> (empty with no_listen: the coordinator's relays)
+    relays: list[str] = dataclasses.field(default_factory=list)
+    relay_hop: bool = False  # also serve as a circuit-relay hop for other peers
     metrics_port: int | None = None  # Prometheus endpoint port (0 = OS-chosen, None = off)
     metrics_host: str = "127.0.0.1"  # address the Prometheus endpoint listens on
     deadline: float | None = None  # unix seconds by which the node must have left
@@ -35,7 +39,7 @@ class NodeConfig:
     warmup_steps: int = 20  # inner steps of linear learning-rate warm-up
     weight_decay: float = 0.1  # AdamW weight decay on matrices
     request_timeout_s: float = 30.0  # seconds a downstream stage has for one micro-batch
-    max_attempts: int = 4  # routes tried for one micro-batch before its lease is released
+    max_attempts: int = 4  # failed tries after which a draining node gives a micro-batch up
     activation_cache: int = 16  # micro-batches whose activations are kept for backward
     drain_timeout_s: float = 30.0  # seconds to finish in-flight work on shutdown
     max_tokens: int | None = None  # stop after committing this many tokens (None = run on)
@@ -81,6 +85,13 @@ class NodeConfig:
             )
         if self.checkpoint_dir is not None:
             self.checkpoint_dir = Path(self.checkpoint_dir).expanduser()
+        if self.no_listen and self.relay_hop:
+            raise ValueError("relay_hop needs inbound connections: it cannot go with no_listen")
+        for relay in self.relays:
+            if "/p2p/" not in relay or "/p2p-circuit" in relay:
+                raise ValueError(
+                    f"relay {relay!r} must be a multiaddr ending in /p2p/<relay peer id>"
+                )
         self.identity = Path(self.identity).expanduser()
 
     @property

@@ -14,11 +14,15 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from node.config import NodeConfig
 from protocol.identity import NodeKey
+
+if TYPE_CHECKING:
+    from node.p2p.transport import P2PConfig
 
 log = logging.getLogger("agora.node")
 
@@ -40,6 +44,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--listen", default=None, help="libp2p listen multiaddr (default /ip4/127.0.0.1/tcp/0)"
     )
+    p.add_argument(
+        "--no-listen", action="store_true", default=None,
+        help="accept no inbound connections (a compute node behind NAT): reserve a slot on"
+        " the --relay relays (default: the coordinator's) and be reached through them",
+    )  # fmt: skip
+    p.add_argument(
+        "--relay", action="append", default=None, metavar="MULTIADDR",
+        help="circuit-relay v2 hop to reserve a slot on, /ip4/H/tcp/P/p2p/ID (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--relay-hop", action="store_true", default=None,
+        help="also serve as a relay hop for --no-listen peers (needs a reachable --listen)",
+    )  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics here")
     p.add_argument(
         "--deadline", default=None,
@@ -90,13 +107,38 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+async def _p2p_config(cfg: NodeConfig, key: NodeKey) -> P2PConfig:
+    """Data-plane settings; an outbound-only node without --relay uses the coordinator's."""
+    from node.coordinator_client import CoordinatorClient
+    from node.p2p.transport import P2PConfig
+
+    relays = list(cfg.relays)
+    if cfg.no_listen and not relays:
+        host, port = cfg.coordinator_addr
+        with trio.move_on_after(60.0):
+            async with CoordinatorClient(host, port, key) as client:
+                relays = list((await client.status()).relays)
+        if not relays:
+            raise ValueError(
+                "--no-listen needs a relay: pass --relay MULTIADDR, or start the coordinator"
+                f" {cfg.coordinator} with --relay"
+            )
+        log.info("using the coordinator's relays %s", relays)
+    listen = [] if cfg.no_listen else [cfg.listen]
+    return P2PConfig(listen=listen, relays=relays, relay_hop=cfg.relay_hop)
+
+
 async def _run(cfg: NodeConfig, key: NodeKey, device: str) -> int:
     from node.coordinator_client import CoordinatorClient
     from node.p2p.host import Libp2pTransport
-    from node.p2p.transport import P2PConfig
     from node.runtime import Node
 
-    transport = Libp2pTransport(key, P2PConfig(listen=[cfg.listen]))
+    try:
+        p2p = await _p2p_config(cfg, key)
+    except ValueError as exc:
+        print(f"agora-node: {exc}", file=sys.stderr)
+        return 2
+    transport = Libp2pTransport(key, p2p)
     host, port = cfg.coordinator_addr
     async with transport.run(), CoordinatorClient(host, port, key) as client:
         node = Node(cfg, transport, client, device=device)
@@ -133,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                 "device": args.device,
                 "identity": args.identity,
                 "listen": args.listen,
+                "no_listen": args.no_listen,
+                "relays": args.relay,
+                "relay_hop": args.relay_hop,
                 "metrics_port": args.metrics_port,
                 "deadline": args.deadline,
                 "join_token": args.join_token,

@@ -104,6 +104,8 @@ class RunInfo(Message):
     dataset_hash: str = bounded(max_len=64)  # sha256 of the corpus (Manifest.content_hash)
     shards: int = bounded(ge=0)  # training shards in the manifest
     data_epoch: int = bounded(ge=0)
+    # circuit-relay v2 hops the run offers to outbound-only nodes (multiaddrs, /p2p/<id>)
+    relays: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)
 
 
 @record
@@ -291,6 +293,8 @@ class StatusReply(Message):
     tokens_per_s: float = bounded(ge=0.0)  # recent commit rate
     eta_s: float | None = bounded(ge=0.0, default=None)  # to the end of this data epoch
     uptime_s: float = bounded(ge=0.0, default=0.0)
+    # circuit-relay v2 hops for outbound-only nodes, asked before they can join (multiaddrs)
+    relays: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)
 
 
 # --- admin -------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import signal
 import sys
 import time
@@ -267,6 +268,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "across restarts (default: a fresh key per start)",
     )  # fmt: skip
     p.add_argument("--addr-file", type=Path, default=None, help="also write the address here")
+    p.add_argument(
+        "--stop-on-stdin-eof", action="store_true",
+        help="stop when stdin closes (a parent that starts the relay holds the pipe, so the"
+        " relay does not outlive it, even after a SIGKILL)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p.parse_args(argv)
 
@@ -297,17 +303,30 @@ async def _serve_relay(args: argparse.Namespace) -> int:
 
     key = load_or_create_key(args.identity) if args.identity else NodeKey.generate()
     transport = Libp2pTransport(key, P2PConfig(listen=[args.listen], relay_hop=True))
-    async with transport.run():
-        addrs = announced_addrs(transport.direct_addrs, args.announce)
-        for addr in addrs:
-            print(f"agora-relay at {addr}", flush=True)
-        if args.addr_file:
-            args.addr_file.write_text("".join(f"{a}\n" for a in addrs))
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
-            async for signum in sigs:
-                log.info("relay: %s, stopping", signal.Signals(signum).name)
-                break
+    # the receiver stays open through the shutdown: a second signal then waits, harmless
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+        async with transport.run():
+            addrs = announced_addrs(transport.direct_addrs, args.announce)
+            for addr in addrs:
+                print(f"agora-relay at {addr}", flush=True)
+            if args.addr_file:
+                args.addr_file.write_text("".join(f"{a}\n" for a in addrs))
+            async with trio.open_nursery() as nursery:
+                if args.stop_on_stdin_eof:
+                    nursery.start_soon(_stop_on_stdin_eof, nursery.cancel_scope)
+                async for signum in sigs:
+                    log.info("relay: %s, stopping", signal.Signals(signum).name)
+                    break
+                nursery.cancel_scope.cancel()
     return 0
+
+
+async def _stop_on_stdin_eof(scope: trio.CancelScope) -> None:
+    async with trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())) as stdin:
+        while await stdin.receive_some(4096):
+            pass
+    log.info("relay: stdin closed (parent gone), stopping")
+    scope.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

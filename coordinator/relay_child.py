@@ -1,0 +1,119 @@
+"""`agora-coordinator --relay`: a circuit-relay v2 hop as a child process.
+
+The coordinator never imports libp2p (DESIGN.md section 3), so the relay runs as
+`python -m node.p2p.relay` beside it. This module starts it, reads the multiaddr it
+prints, forwards its output to the log, and stops it with the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "agora-relay at "
+
+
+class RelayStartError(RuntimeError):
+    """The relay child exited or stayed silent instead of serving."""
+
+
+class RelayChild:
+    """A running `python -m node.p2p.relay`; `addrs` are the multiaddrs it printed."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, addrs: list[str]) -> None:
+        self.proc = proc
+        self.addrs = addrs
+        self._drain: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        *,
+        host: str,
+        port: int,
+        identity: Path,
+        announce: str | None = None,
+        timeout_s: float = 60.0,
+    ) -> RelayChild:
+        """Start the relay listening on host:port; `RelayStartError` if it does not serve."""
+        try:
+            version = ipaddress.ip_address(host).version
+        except ValueError:
+            raise ValueError(f"--relay needs an IP listen address, got host {host!r}") from None
+        args = [
+            "-m", "node.p2p.relay",
+            "--listen", f"/ip{version}/{host}/tcp/{port}",
+            "--identity", str(identity),
+            *(["--announce", announce] if announce else []),
+            "--stop-on-stdin-eof",  # it goes when we go, even after a SIGKILL of ours
+        ]  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.PIPE,
+            start_new_session=True,  # a terminal's Ctrl-C reaches us; we stop it in order
+        )
+        assert proc.stdout is not None
+        addrs: list[str] = []
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    line = (await proc.stdout.readline()).decode(errors="replace")
+                    if not line:
+                        code = await proc.wait()
+                        raise RelayStartError(f"the relay child exited with {code} before serving")
+                    if line.startswith(READY_PREFIX):
+                        addrs.append(line[len(READY_PREFIX) :].strip())
+                        # the relay prints all its addresses back to back; take what is there
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(0.2):
+                                while (more := await proc.stdout.readline()).startswith(
+                                    READY_PREFIX.encode()
+                                ):
+                                    addrs.append(more.decode()[len(READY_PREFIX) :].strip())
+                        break
+        except BaseException as exc:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            if isinstance(exc, TimeoutError):
+                raise RelayStartError(
+                    f"the relay child did not serve within {timeout_s:g} s"
+                ) from None
+            raise
+        child = cls(proc, addrs)
+        child._drain = asyncio.create_task(child._forward_output())
+        log.info("relay: circuit-relay v2 hop (pid %d) at %s", proc.pid, " ".join(addrs))
+        return child
+
+    async def _forward_output(self) -> None:
+        assert self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            log.info("relay: %s", line.decode(errors="replace").rstrip())
+
+    async def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL past `timeout_s`; returns the exit code."""
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self.proc.wait()
+            except TimeoutError:
+                log.warning("relay: no exit %g s after SIGTERM; killing it", timeout_s)
+                self.proc.kill()
+                await self.proc.wait()
+        if self._drain is not None:
+            self._drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain
+        code = self.proc.returncode
+        log.info("relay: stopped (exit %s)", code)
+        return code if code is not None else -1
