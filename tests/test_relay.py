@@ -1,0 +1,203 @@
+"""Outbound-only peers reached through a circuit-relay v2 hop (issue 7, item 5).
+
+- In process: a hop relay, an outbound-only destination (`listen=[]`) that reserves a
+  slot on it and announces only its circuit address, and a source that reaches it by
+  that address alone; Noise + Yamux run end to end over the relayed stream.
+- Multi-process: `agora-coordinator --relay` runs the hop as a child; a normal stage-0
+  node and two `--no-listen` nodes (stage 0 and stage 1, taking the coordinator's relay)
+  train. The only stage-1 replica accepts no connections, so every forward crosses the
+  relay; it must serve them. Then a clean stop (exit 0 everywhere, the relay child
+  gone) and `agora audit` finds no lost or duplicated ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from node.config import NodeConfig
+from node.p2p.host import Libp2pTransport
+from node.p2p.relay import RelayAddressError, announced_addrs, parse_relay_addr
+from node.p2p.transport import P2PConfig
+from node.swarm import LocalSwarm, child_env
+from protocol.dataplane import Echo
+from protocol.identity import NodeKey
+
+REPO = Path(__file__).resolve().parent.parent
+START_S = 150.0  # seconds for the processes to import torch, reserve and join (loaded box)
+TRAIN_S = 120.0  # seconds for tokens to rise through the relay
+ECHO = "/agora-test/echo/1"
+
+
+# --- pure pieces --------------------------------------------------------------------------
+
+
+def test_relay_addresses_are_checked() -> None:
+    key = NodeKey.generate()
+    tcp, pid = parse_relay_addr(f"/ip4/10.0.0.1/tcp/4001/p2p/{key.peer_id}")
+    assert str(tcp) == "/ip4/10.0.0.1/tcp/4001" and pid.to_string() == key.peer_id
+    for bad in ("/ip4/10.0.0.1/tcp/4001", f"/ip4/1.2.3.4/tcp/1/p2p/{key.peer_id}/p2p-circuit"):
+        with pytest.raises(RelayAddressError):
+            parse_relay_addr(bad)
+    addr = f"/ip4/0.0.0.0/tcp/4001/p2p/{key.peer_id}"
+    assert announced_addrs([addr], None) == [f"/ip4/127.0.0.1/tcp/4001/p2p/{key.peer_id}"]
+    assert announced_addrs([addr], "relay.example.org") == [
+        f"/dns/relay.example.org/tcp/4001/p2p/{key.peer_id}"
+    ]
+    assert announced_addrs([addr], "::1") == [f"/ip6/::1/tcp/4001/p2p/{key.peer_id}"]
+
+
+def test_node_config_relay_fields() -> None:
+    relay = f"/ip4/127.0.0.1/tcp/4001/p2p/{NodeKey.generate().peer_id}"
+    cfg = NodeConfig(coordinator="127.0.0.1:7700", no_listen=True, relays=[relay])
+    assert cfg.no_listen and cfg.relays == [relay]
+    with pytest.raises(ValueError, match="relay_hop"):
+        NodeConfig(coordinator="127.0.0.1:7700", no_listen=True, relay_hop=True)
+    with pytest.raises(ValueError, match="/p2p/"):
+        NodeConfig(coordinator="127.0.0.1:7700", relays=["/ip4/127.0.0.1/tcp/4001"])
+
+
+# --- in process ---------------------------------------------------------------------------
+
+
+def leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def test_request_reaches_an_outbound_only_peer_through_the_relay() -> None:
+    async def main() -> None:
+        with trio.fail_after(60):
+            relay = Libp2pTransport(NodeKey.generate(), P2PConfig(relay_hop=True))
+            async with relay.run():
+                hop = relay.direct_addrs[0]
+                dest = Libp2pTransport(NodeKey.generate(), P2PConfig(listen=[], relays=[hop]))
+
+                async def echo(remote: str, msg: Any) -> Any:
+                    return msg
+
+                dest.set_handler(ECHO, echo)
+                async with dest.run():
+                    # announced: the circuit address only (it has no listener)
+                    assert dest.direct_addrs == []
+                    assert dest.listen_addrs == [f"{hop}/p2p-circuit/p2p/{dest.peer_id}"]
+                    src = Libp2pTransport(NodeKey.generate(), P2PConfig(listen=[]))
+                    async with src.run():
+                        for seq in range(20):
+                            msg = Echo(seq=seq, payload=bytes(range(256)) * 64)
+                            reply = await src.request(
+                                dest.peer_id, dest.listen_addrs, ECHO, msg, timeout=20
+                            )
+                            assert reply == msg
+                        assert src.connection_stack(dest.peer_id) == [("/noise", "/yamux/1.0.0")]
+                # a relay that refuses (none there) is a clear error for an outbound-only node
+                lonely = Libp2pTransport(
+                    NodeKey.generate(),
+                    P2PConfig(listen=[], relays=[f"/ip4/127.0.0.1/tcp/9/p2p/{relay.peer_id}"]),
+                )
+                with pytest.raises(BaseException) as caught:
+                    async with lonely.run():
+                        pass
+                assert "no relay accepted a reservation" in str(leaf(caught.value))
+
+    trio.run(main)
+
+
+# --- a swarm ------------------------------------------------------------------------------
+
+
+def poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            procs = [*swarm.nodes.values(), *([swarm.coordinator] if swarm.coordinator else [])]
+            tails = "\n".join(f"--- {p.name}:\n{p.tail(15)}" for p in procs)
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tails}")
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
+    sw = LocalSwarm(
+        workdir=tmp_path,
+        preset="tiny",
+        stages=2,
+        coordinator_args=["--relay"],
+        node_args=["--outer-every-steps", "0"],
+    )
+    try:
+        yield sw
+    finally:
+        sw.kill_all()
+
+
+def test_no_listen_nodes_train_through_the_coordinators_relay(swarm: LocalSwarm) -> None:
+    swarm.start_coordinator()
+    assert swarm.coordinator is not None
+    relays = swarm.status().relays
+    assert len(relays) == 1 and "/p2p/" in relays[0], relays
+    swarm.add_node("open0", 0)
+    swarm.add_node("hidden0", 0, "--no-listen")
+    swarm.add_node("hidden1", 1, "--no-listen")  # the only stage-1 replica
+    poll(
+        lambda: [st.peers for st in swarm.status().stages] == [2, 1],
+        START_S,
+        "2 peers on stage 0 and 1 on stage 1",
+        swarm,
+    )
+    before = swarm.status().committed_tokens
+    poll(
+        lambda: swarm.status().committed_tokens > before + 8 * 1024,
+        TRAIN_S,
+        f"committed tokens past {before + 8 * 1024}",
+        swarm,
+    )
+    hidden1 = swarm.scrape("hidden1")
+    assert hidden1.get("agora_node_tokens_total", 0) > 0, "the no-listen stage 1 trained nothing"
+    assert hidden1.get("agora_p2p_served_total", 0) > 0, "the no-listen stage 1 served nothing"
+    poll(
+        lambda: swarm.scrape("hidden0").get("agora_node_tokens_total", 0) > 0,
+        TRAIN_S,
+        "tokens on the no-listen stage-0 node",
+        swarm,
+    )
+    # The forwards reached hidden1 through the relay: both stage-0 nodes dialled its
+    # circuit address, and it announced nothing else.
+    hidden1_id = NodeKey((swarm.workdir / "hidden1.key").read_bytes()).peer_id
+    for name in ("open0", "hidden0"):
+        log = swarm.nodes[name].log.read_text(errors="replace")
+        assert f"relay: connected to {hidden1_id} through" in log, swarm.nodes[name].tail(30)
+    hidden_log = swarm.nodes["hidden1"].log.read_text(errors="replace")
+    assert "relay: reserved a slot on" in hidden_log
+    assert "/p2p-circuit/p2p/" in hidden_log
+
+    codes = swarm.stop_nodes(timeout_s=60)
+    assert codes == {"open0": 0, "hidden0": 0, "hidden1": 0}, codes
+    coordinator_log = swarm.coordinator.log
+    assert swarm.stop_coordinator() == {"coordinator": 0}
+    text = coordinator_log.read_text(errors="replace")
+    assert "relay: stopped (exit 0)" in text, text[-2000:]
+
+    report = swarm.workdir / "audit.json"
+    audit = subprocess.run(
+        [sys.executable, "-m", "coordinator.audit", "--db", str(swarm.db), "--json", str(report)],
+        env=child_env(), capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    epochs = json.loads(report.read_text())
+    assert epochs
+    for epoch in epochs:
+        assert epoch["lost"] == [] and epoch["duplicated"] == [], epoch
+    assert sum(e["committed_tokens"] for e in epochs) > before + 8 * 1024
