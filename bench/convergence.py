@@ -211,7 +211,8 @@ def run_swarm(
         capture_output=True, text=True, env=child_env(), timeout=120,
     )  # fmt: skip
     export_dir = workdir / "export"
-    got = export_checkpoints(list(ckpt.values()), export_dir)
+    # a node killed before its first applied round never wrote a checkpoint
+    got = export_checkpoints([d for d in ckpt.values() if d.is_dir()], export_dir)
     config, tensors = load_export(export_dir)
     loss = evaluate_weights(
         config, tensors, dataset,

@@ -180,9 +180,10 @@ def test_swarm_sigkill_stage0_replica_then_audit_and_export(tmp_path: Path) -> N
     assert sum(e["committed_tokens"] for e in epochs) > at_kill + 8 * 1024
 
     # The survivors checkpointed at their outer steps and at drain: export and evaluate.
-    got = export_checkpoints([tmp_path / "ckpt" / n for n in names], tmp_path / "model")
+    # (b0 may have died before its first checkpoint: only directories that exist count)
+    dirs = [tmp_path / "ckpt" / n for n in names if (tmp_path / "ckpt" / n).is_dir()]
+    got = export_checkpoints(dirs, tmp_path / "model")
     assert set(got.rounds) == {0, 1} and min(got.rounds.values()) >= 1, got.rounds
-    assert not got.sources[0].startswith(str(tmp_path / "ckpt" / "b0")) or got.rounds[0] >= 1
     config, tensors = load_export(tmp_path / "model")
     data = load_dataset()
     kw = {"batch_size": 8, "seq_len": 128, "n_batches": 4}
