@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
         "--participation-power", type=float, default=None,
         help="p of eta_r = eta min(1, tokens/target)^p (default: the node's)",
     )  # fmt: skip
+    p.add_argument("--outer-lr", type=float, default=None, help="eta (default: the node's)")
+    p.add_argument("--outer-momentum", type=float, default=None, help="mu (default: the node's)")
     p.add_argument("--kills", type=int, default=2, help="kill+join events in the churn run")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches")
     p.add_argument(
@@ -118,6 +120,10 @@ def _node_toml(args: argparse.Namespace, inner_tokens: int, path: Path) -> Path:
     ]
     if args.participation_power is not None:
         lines.append(f"outer_participation_power = {args.participation_power}")
+    if args.outer_lr is not None:
+        lines.append(f"outer_lr = {args.outer_lr}")
+    if args.outer_momentum is not None:
+        lines.append(f"outer_momentum = {args.outer_momentum}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -271,6 +277,8 @@ def main(argv: list[str]) -> int:
         "central_batch_tokens": central_tokens,
         "lr": args.lr,
         "participation_power": args.participation_power,
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
         "kills": args.kills,
     }
     t_start = time.monotonic()

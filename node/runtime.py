@@ -223,7 +223,11 @@ class Node:
                 matchmaking_s=self.cfg.outer_matchmaking_s,
                 request_timeout_s=min(1.0, self.cfg.outer_matchmaking_s / 2),
                 round_timeout_s=self.cfg.outer_timeout_s,
-                diloco=DilocoConfig(participation_power=self.cfg.outer_participation_power),
+                diloco=DilocoConfig(
+                    eta=self.cfg.outer_lr,
+                    mu=self.cfg.outer_momentum,
+                    participation_power=self.cfg.outer_participation_power,
+                ),
             ),
             every_steps=self.cfg.outer_every_steps,
             snapshot=self._commit_snapshot,
