@@ -132,7 +132,12 @@ class Node:
                 # Heartbeats start first: building the stage may take longer than the TTL.
                 nursery.start_soon(self._heartbeat_loop)
                 await self._build_stage()
-                await self._refresh_membership()
+                try:
+                    await self._refresh_membership()
+                except (CoordinatorError, CoordinatorUnavailable) as exc:
+                    # E.g. not_member: the membership lapsed while the stage was built
+                    # (the heartbeat loop re-joins); the membership loop retries.
+                    log.warning("node: first membership refresh failed: %s", exc)
                 if self.cfg.outer_every_steps > 0:
                     await self._start_outer()
                     nursery.start_soon(self._outer_loop)
