@@ -110,6 +110,11 @@ class CoordinatorClient:
             with trio.move_on_after(1):
                 await stream.aclose()
 
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.socket.close()
+            self._stream = None
+
     async def __aenter__(self) -> CoordinatorClient:
         return self
 
@@ -149,7 +154,13 @@ class CoordinatorClient:
                     with trio.fail_after(
                         min(self.cfg.call_timeout_s, max(0.01, give_up - trio.current_time()))
                     ):
-                        reply = await self._once(body)
+                        try:
+                            reply = await self._once(body)
+                        except BaseException:
+                            # A reply may still be on its way (timeout, cancellation):
+                            # never let it be read as the answer to the next request.
+                            self._drop_stream()
+                            raise
                 if not isinstance(reply, c.ErrorReply):
                     return reply
                 if reply.code not in RETRY_CODES:

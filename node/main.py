@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from node.config import NodeConfig
+from node.identity import load_or_create_key
 from protocol.identity import NodeKey
 
 if TYPE_CHECKING:
@@ -79,22 +80,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p.parse_args(argv)
-
-
-def load_identity(path: Path) -> NodeKey:
-    """Load the 32-byte ed25519 seed at `path`, creating it (mode 0600) on first run."""
-    if path.exists():
-        seed = path.read_bytes()
-        if len(seed) != 32:
-            raise ValueError(f"identity file {path} must hold a 32-byte ed25519 seed")
-        return NodeKey(seed)
-    key = NodeKey.generate()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(key.seed)
-    log.info("created identity %s (peer id %s)", path, key.peer_id)
-    return key
 
 
 def resolve_device(requested: str) -> str:
@@ -187,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 "checkpoint_every_rounds": args.checkpoint_every,
             },
         )
-        key = load_identity(cfg.identity)
+        key = load_or_create_key(cfg.identity)
         device = resolve_device(cfg.device)
     except (ValueError, OSError) as exc:
         print(f"agora-node: {exc}", file=sys.stderr)

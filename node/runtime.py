@@ -14,6 +14,7 @@ Trio owns everything here; torch work goes to the one `TorchWorker` thread. Task
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class Node:
         self.leases: dict[int, LeaseInfo] = {}  # held leases by id
         self._fenced: set[int] = set()  # lease ids the coordinator fenced
         self._draining = trio.Event()  # stop taking new work
+        self._drain_deadline = math.inf  # trio time by which in-flight work is given up
         self._shards: dict[int, bytes] = {}  # shard bytes cache (bounded below)
         self._bytes_seen: dict[str, int] = {}  # codec byte counts already in the metrics
         self._progress: dict[int, LeaseProgress] = {}  # stage 0: progress of held leases
@@ -108,6 +110,7 @@ class Node:
         """Begin a graceful exit: finish in-flight work, commit, release, leave."""
         if not self._draining.is_set():
             log.info("node: draining (finishing in-flight micro-batches, then leaving)")
+            self._drain_deadline = trio.current_time() + self.cfg.drain_timeout_s
             self._draining.set()
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -455,44 +458,54 @@ class Node:
     async def _through_pipeline(
         self, mb_id: str, rows: np.ndarray, lease: LeaseInfo
     ) -> float | None:
-        """Run one micro-batch through the downstream stages until it returns once."""
+        """Run one micro-batch through the downstream stages until it returns once.
+
+        None means it was given up: its lease was fenced, or the node is draining and
+        the micro-batch failed `max_attempts` times or outlived the drain deadline.
+        """
         assert self.compute is not None
         tokens = TensorFrame.from_numpy(rows)
         backoff = IDLE_WAIT_S
         tried: set[str] = set()
+        failures = 0
         while lease.lease_id not in self._fenced:
-            hidden = await self.worker.run(self.compute.forward, mb_id, rows, None)
-            assert isinstance(hidden, EncodedTensor)
-            reply = await self._send_forward(mb_id, tokens, hidden, [self.transport.peer_id], tried)
-            if reply is not None:
-                await self.worker.run(self.compute.backward, mb_id, rows, None, reply.grad)
-                self._account_bytes()
-                metrics.TOKENS.inc(rows.shape[0] * (rows.shape[1] - 1))
-                return reply.loss
-            await self.worker.run(self.compute.drop, mb_id)
-            metrics.MICROBATCHES.labels("retried").inc()
-            if self._draining.is_set() and not self._next_stage_peers():
+            if self._draining.is_set() and (
+                failures >= self.cfg.max_attempts or trio.current_time() > self._drain_deadline
+            ):
                 return None
-            with trio.move_on_after(backoff):
-                await trio.sleep_forever()
+            peer = self._pick_next(tried)
+            if peer is not None:
+                hidden = await self.worker.run(self.compute.forward, mb_id, rows, None)
+                assert isinstance(hidden, EncodedTensor)
+                reply = await self._send_forward(
+                    peer, mb_id, tokens, hidden, [self.transport.peer_id]
+                )
+                if reply is not None:
+                    await self.worker.run(self.compute.backward, mb_id, rows, None, reply.grad)
+                    self._account_bytes()
+                    metrics.TOKENS.inc(rows.shape[0] * (rows.shape[1] - 1))
+                    return reply.loss
+                await self.worker.run(self.compute.drop, mb_id)
+                metrics.MICROBATCHES.labels("retried").inc()
+            failures += 1
+            await trio.sleep(backoff)
             backoff = min(backoff * 2, 8.0)
-            if len(tried) >= len(self._next_stage_peers()):
-                tried.clear()
         return None
 
+    def _pick_next(self, tried: set[str]) -> str | None:
+        """A next-stage peer not yet tried for this micro-batch (all again once exhausted)."""
+        candidates = self._next_stage_peers()
+        if tried and tried.issuperset(candidates):
+            tried.clear()
+        peer = self.router.choose(candidates, trio.current_time(), exclude=tried)
+        if peer is not None:
+            tried.add(peer)
+        return peer
+
     async def _send_forward(
-        self,
-        mb_id: str,
-        tokens: TensorFrame,
-        hidden: EncodedTensor,
-        route: list[str],
-        tried: set[str],
+        self, peer: str, mb_id: str, tokens: TensorFrame, hidden: EncodedTensor, route: list[str]
     ) -> Backward | None:
-        """One attempt through one next-stage peer; None if it failed (the peer is banned)."""
-        peer = self.router.choose(self._next_stage_peers(), trio.current_time(), exclude=tried)
-        if peer is None:
-            return None
-        tried.add(peer)
+        """One attempt through `peer`; None if it failed (the peer is then avoided)."""
         info = self.members.get(peer)
         msg = Forward(
             mb_id=mb_id,
@@ -579,12 +592,13 @@ class Node:
         route = [*msg.route, self.transport.peer_id]
         tried: set[str] = set()
         with trio.fail_after(max(0.0, msg.deadline - time.time())):
-            while (
-                reply := await self._send_forward(msg.mb_id, msg.tokens, hidden, route, tried)
-            ) is None:
-                await trio.sleep(IDLE_WAIT_S)
-                if len(tried) >= len(self._next_stage_peers()):
-                    tried.clear()
+            reply = None
+            while reply is None:
+                peer = self._pick_next(tried)
+                if peer is not None:
+                    reply = await self._send_forward(peer, msg.mb_id, msg.tokens, hidden, route)
+                if reply is None:
+                    await trio.sleep(IDLE_WAIT_S)
         grad_in = await self.worker.run(
             self.compute.backward, msg.mb_id, rows, msg.hidden, reply.grad
         )

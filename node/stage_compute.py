@@ -30,7 +30,7 @@ import torch
 
 from node.compression import BoundaryCodec
 from node.model import ModelConfig, build_stage, param_groups
-from node.subspace import project_
+from node.subspace import project_, project_grads_
 from protocol.tensors import EncodedTensor
 
 log = logging.getLogger(__name__)
@@ -170,6 +170,7 @@ class StageCompute:
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
+        project_grads_(self.model)  # keep the update inside span(U) (node.subspace)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
         warm = min(1.0, (self.inner_steps + 1) / max(1, self.inner.warmup_steps))
         for group in self.opt.param_groups:
