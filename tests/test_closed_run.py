@@ -1,0 +1,124 @@
+"""Closed runs on the data plane: an outsider is refused at join AND by the peers.
+
+For each closed auth mode (`token`, `allowlist`) a real coordinator and two real nodes
+(stage 0 and stage 1, tiny preset, no outer loop) run on loopback. A rogue process
+(`node.chaos_rogue`) then:
+
+- `outsider`: with a fresh key, joins without the token (and with a wrong one): the
+  coordinator answers `unauthorized`; then it sends a well-formed Forward to the honest
+  stage-1 node, which refuses it with `not_member` (it is not in the run's view);
+- `control`: with the token / an allowlisted key, it joins and sends the same Forward,
+  which is answered: the refusal above is about membership, not a broken request.
+
+Admin calls without the admin token and replayed control requests are covered by
+tests/test_coordinator_abuse.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from node.swarm import LocalSwarm, child_env
+from protocol.identity import NodeKey
+
+REPO = Path(__file__).resolve().parent.parent
+START_S = 200.0  # seconds for the nodes to import torch, build and serve (loaded box)
+STOP_S = 150.0  # seconds for the drain and exit of both nodes (loaded box)
+TOKEN = "closed-run-s3cret"
+
+
+def _wait(swarm: LocalSwarm, what: str, timeout_s: float, pred: object) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():  # type: ignore[operator]
+        for name, proc in swarm.nodes.items():
+            assert proc.alive(), f"{name} exited {proc.popen.returncode}:\n{proc.tail(30)}"
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {n}:\n{p.tail(15)}" for n, p in swarm.nodes.items())
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tails}")
+        time.sleep(0.5)
+
+
+def _closed_swarm(workdir: Path, mode: str, keys: dict[str, NodeKey]) -> LocalSwarm:
+    """A swarm whose coordinator runs in auth `mode`; nodes use the token / listed keys."""
+    for name, key in keys.items():
+        (workdir / f"{name}.key").write_bytes(key.seed)
+    allow = ", ".join(f'"{k.peer_id}"' for k in keys.values())
+    toml = workdir / "closed.toml"
+    toml.write_text(
+        'run_id = "closed"\nmodel_preset = "tiny"\nn_stages = 2\ncodec = "subspace_int8"\n'
+        "heartbeat_interval_s = 1.0\nlease_ttl_s = 10.0\n"
+        + (f'auth = "token"\njoin_token = "{TOKEN}"\n' if mode == "token" else "")
+        + (f'auth = "allowlist"\nallowlist = [{allow}]\n' if mode == "allowlist" else "")
+    )
+    node_toml = workdir / "node.toml"
+    node_toml.write_text("[node]\nouter_every_steps = 0\n")
+    return LocalSwarm(
+        workdir=workdir,
+        preset="tiny",
+        stages=2,
+        coordinator_args=["--config", str(toml)],  # the last --config wins
+        node_args=["--config", str(node_toml)]
+        + (["--join-token", TOKEN] if mode == "token" else []),
+    )
+
+
+@pytest.fixture(params=["token", "allowlist"])
+def closed(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, LocalSwarm]]:
+    mode = request.param
+    keys = {n: NodeKey.generate() for n in ("a0", "a1", "insider")}
+    swarm = _closed_swarm(tmp_path, mode, keys)
+    try:
+        swarm.start_coordinator()
+        swarm.add_node("a0", 0)
+        swarm.add_node("a1", 1)
+        yield mode, swarm
+    finally:
+        swarm.kill_all()
+
+
+def test_outsider_refused_at_join_and_on_the_data_plane(closed: tuple[str, LocalSwarm]) -> None:
+    mode, swarm = closed
+    _wait(
+        swarm,
+        "a1 to serve forwards",
+        START_S,
+        lambda: swarm.scrape("a1").get("agora_p2p_served_total", 0) > 0,
+    )
+    refused_before = swarm.scrape("a1").get('agora_p2p_refused_total{reason="not_member"}', 0)
+    victim = NodeKey((swarm.workdir / "a1.key").read_bytes()).peer_id
+    out = swarm.workdir / "rogue.json"
+    rogue = subprocess.run(
+        [sys.executable, "-m", "node.chaos_rogue", "--coordinator", swarm.address,
+         "--victim", victim, "--json", str(out), "--attacks", "outsider,control",
+         *(["--join-token", TOKEN] if mode == "token" else []),
+         "--identity", str(swarm.workdir / "insider.key")],
+        env=child_env(), capture_output=True, text=True, timeout=150, cwd=REPO,
+    )  # fmt: skip
+    assert rogue.returncode == 0, rogue.stdout[-3000:] + rogue.stderr[-3000:]
+    results = json.loads(out.read_text())
+
+    outsider = results["outsider"]
+    assert outsider["join"] == "unauthorized", outsider
+    assert outsider["join_wrong_token"] == "unauthorized", outsider
+    assert outsider["forward"] == {"outcome": "refused", "reason": "not_member"}, outsider
+    # The control: an insider's identical request is served.
+    assert results["control"]["outcome"] == "answered", results["control"]
+    assert results["control"]["after"]["outcome"] == "answered", results["control"]
+
+    after = swarm.scrape("a1")
+    assert after.get('agora_p2p_refused_total{reason="not_member"}', 0) > refused_before
+    status = swarm.status()
+    assert sum(st.peers for st in status.stages) == 2, status  # the outsider never joined
+    codes = swarm.stop(timeout_s=STOP_S)
+    assert codes == {"a0": 0, "a1": 0, "coordinator": 0}, {
+        n: p.tail(20) for n, p in swarm.nodes.items()
+    }
+    assert TOKEN not in "".join(p.log.read_text() for p in swarm.nodes.values())
+    assert swarm.coordinator is not None and TOKEN not in swarm.coordinator.log.read_text()
