@@ -47,8 +47,10 @@ class NodeConfig:
     outer_compression: str = "fp16"  # pseudo-gradient codec: none | fp16 | uint8
     outer_matchmaking_s: float = 6.0  # seconds to gather replicas for a round
     outer_timeout_s: float = 20.0  # seconds an outer round may take once a group formed
-    outer_lr: float = 0.7  # eta, the outer (Nesterov) learning rate (dimensionless)
-    outer_momentum: float = 0.9  # mu, the outer Nesterov momentum (dimensionless)
+    # eta and mu of the outer Nesterov step. DiLoCo's 0.7 / 0.9 diverged at our short
+    # rounds (H = 10-25 inner steps); plain averaging did not (docs/outer-loop.md).
+    outer_lr: float = 1.0  # eta, the outer (Nesterov) learning rate (dimensionless)
+    outer_momentum: float = 0.0  # mu, the outer Nesterov momentum (dimensionless)
     # p in eta_r = eta * min(1, round tokens / target)^p; target = replicas of the stage x
     # outer_every_steps x inner_batch_tokens (docs/outer-loop.md) (dimensionless)
     outer_participation_power: float = 0.5

@@ -201,7 +201,10 @@ class Node:
         assert self.join is not None and self.compute is not None
         me = self.transport.peer_id
         root = self._dht_root()
-        bootstrap = root.dht_addrs if root is not None else []
+        # The root first, then every other member's DHT: hivemind needs one to answer, so
+        # a root that just died (still listed until its TTL lapses) does not strand us.
+        others = sorted((p for p in self.members.values() if p.dht_addrs), key=lambda p: p.peer_id)
+        bootstrap = [a for p in others if p.peer_id != me for a in p.dht_addrs]
         self._dht_bootstrap = root.peer_id if root is not None else me
         replicas = [p for p in self.members.values() if p.peer_id != me and p.stage == self.stage]
         try:
@@ -209,9 +212,9 @@ class Node:
         except (OuterLinkError, TimeoutError, OSError) as exc:
             if not bootstrap:
                 raise
-            # The root may have just left: start a DHT of our own; the next root check
+            # Every announced DHT is gone: start one of our own; the next root check
             # (before the first round) moves us to the run's DHT again.
-            log.warning("outer: could not join the DHT at %s (%s); starting our own", root, exc)
+            log.warning("outer: no member's DHT answered (%s); starting our own", exc)
             self._dht_bootstrap = me
             self.outer = await self._outer_rounds([])
         await self.outer.load_state(replicas_exist=any(p.dht_addrs for p in replicas))
