@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import json
 import logging
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -494,6 +496,8 @@ class Run:
                     tail = proc.tail(15) if proc else ""
                     self.crashed.setdefault(name, f"stop exit {code}: {tail}")
         audit = audit_db(self.swarm.db, self.workdir / "audit.json")
+        joiners = [e["node"] for e in self.events if e["kind"] == "join_mid_round"]
+        joins = joins_during_rounds(self.workdir, joiners)
         loss_tail = [p["loss"] for p in self.curve if p["t_s"] >= self.cfg.minutes * 60 * 0.9]
         if not loss_tail and self.curve:
             loss_tail = [self.curve[-1]["loss"]]
@@ -503,6 +507,10 @@ class Run:
             "schedule": [dataclasses.asdict(f) for f in self.faults],
             "events": self.events,
             "rogue": self.rogue_results,
+            "joins": joins,
+            "joins_in_round": sum(
+                1 for j in joins.values() if isinstance(j, dict) and j["in_round"]
+            ),
             "audit": audit,
             "lost_ranges": audit["lost_ranges"],
             "duplicated_ranges": audit["duplicated_ranges"],
@@ -514,6 +522,51 @@ class Run:
             "crashed": self.crashed,
             "exit_codes": codes,
         }
+
+
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_JOINED = re.compile(r"node: joined run \S+ as \S+ on stage (\d+)/")
+_APPLIED = re.compile(r"outer: round \d+ applied \(.*?, ([\d.]+)s, ")
+
+
+def _log_time(line: str) -> float | None:
+    m = _LOG_TIME.match(line)
+    if not m:
+        return None
+    return dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def joins_during_rounds(workdir: Path, joiners: list[str]) -> dict[str, Any]:
+    """Did each joiner's coordinator join land inside an outer round of its stage?
+
+    From the logs: a joiner's "joined run ... on stage S" time, and every other node's
+    "round N applied (..., X s, ...)" lines of stage S, which give the round's span
+    [applied - X, applied]. Returns per joiner the join time's position.
+    """
+    stage_of: dict[str, int] = {}
+    joined_at: dict[str, float] = {}
+    rounds: dict[int, list[tuple[float, float]]] = {}
+    for log_file in sorted(workdir.glob("*.log")):
+        name = log_file.stem
+        stage = None
+        for line in log_file.read_text(errors="replace").splitlines():
+            if (m := _JOINED.search(line)) and (t := _log_time(line)) is not None:
+                stage = int(m.group(1))
+                stage_of[name] = stage
+                joined_at.setdefault(name, t)
+            elif (m := _APPLIED.search(line)) and stage is not None:
+                t = _log_time(line)
+                if t is not None:
+                    rounds.setdefault(stage, []).append((t - float(m.group(1)), t))
+    out: dict[str, Any] = {}
+    for name in joiners:
+        if name not in joined_at:
+            out[name] = "never joined"
+            continue
+        t, stage = joined_at[name], stage_of[name]
+        inside = any(a <= t <= b for a, b in rounds.get(stage, []))
+        out[name] = {"stage": stage, "in_round": inside, "rounds_seen": len(rounds.get(stage, []))}
+    return out
 
 
 def audit_db(db: Path, out: Path) -> dict[str, Any]:
