@@ -8,12 +8,12 @@ an outer round). Then it asserts what the issue asks: no lost and no duplicated 
 the audit, no honest process that died other than by our own kills, and bounded RSS.
 
 RSS bound: 1536 MB of peak resident memory (VmHWM) per honest process. Measured peaks
-on the tiny preset are about 530 MB for a node (torch + stage + libp2p), 300 MB for its
-hivemind outer process, 200 MB for the p2p daemon and 90 MB for the coordinator
-(`agora chaos --minutes 1.5 --seed 1`, see docs/reliability.md). The bound is ~3x the
-largest of those, so ordinary variation passes, and it is below the 2 GiB that a peer
-honouring the rogue's "2 GiB frame" header would allocate, or that thousands of held
-streams with buffers would cost.
+on the tiny preset (`agora chaos --minutes 20 --seed 7`, docs/reliability.md): 545 MB
+for a node (torch + stage + libp2p), 383 MB for its hivemind outer process, 106 MB for
+torch_shm_manager, 93 MB for the p2p daemon, 88 MB for the coordinator. The bound is
+~2.8x the largest, so ordinary variation passes, and it is below the 2 GiB that a peer
+honouring the rogue's "2 GiB frame" header would allocate; a leak per held stream of the
+2000-stream flood would also show.
 
 The fault-free comparison and the loss figures belong to the long run (the 20-minute
 figures in docs/reliability.md); this test does not time anything.
