@@ -186,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         server, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
         cfg.metrics_port = int(server.server_port)  # the bound port, announced in the join
         print(f"agora-node metrics on {cfg.metrics_host}:{cfg.metrics_port}", flush=True)
-    return trio.run(_run, cfg, key, device)
+    try:
+        return trio.run(_run, cfg, key, device)
+    except KeyboardInterrupt:  # Ctrl-C before the drain handler was installed
+        log.warning("interrupted during start-up; the coordinator drops us after the TTL")
+        return 130
 
 
 if __name__ == "__main__":

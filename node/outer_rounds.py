@@ -71,6 +71,8 @@ class OuterRounds:
         target_tokens: Callable[[], int] | None = None,
     ) -> OuterRounds:
         numel = sum(p.numel() for p in compute.parameters())
+        # Abandoned on cancel (Ctrl-C during start-up): the outer process exits by itself
+        # once this process, the other end of its socket, is gone.
         link = await trio.to_thread.run_sync(
             lambda: OuterLink.start(
                 run_id=run_id,
@@ -78,7 +80,8 @@ class OuterRounds:
                 numel=numel,
                 initial_peers=initial_peers,
                 config=config,
-            )
+            ),
+            abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-typing stubs predate it
         )
         log.info("outer: hivemind DHT up at %s (%d parameters)", link.dht_addrs(), numel)
         return cls(
