@@ -56,7 +56,7 @@ OUTER_POLL_S = 0.2  # seconds between checks on the outer round
 
 @dataclass(slots=True)
 class NodeStats:
-    """What the node reports about itself (heartbeats, the demo, logs)."""
+    """What the node reports about itself (its metrics and logs)."""
 
     losses: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     tokens_committed: int = 0  # lease tokens committed by this node
@@ -450,7 +450,7 @@ class Node:
                 if loss is None:  # fenced or draining: not finished, not committed
                     return
                 self.stats.losses.append(loss)
-                metrics.LOSS.set(loss)
+                metrics.LOSS.set(self.stats.loss or loss)  # mean of the last 32
             metrics.MICROBATCHES.labels("done").inc()
             progress.finish(start, stop)
             if self.outer is None:  # no outer loop: a finished micro-batch is committed
