@@ -208,7 +208,7 @@ class Node:
         self._dht_bootstrap = root.peer_id if root is not None else me
         replicas = [p for p in self.members.values() if p.peer_id != me and p.stage == self.stage]
         try:
-            self.outer = await self._outer_rounds(bootstrap)
+            outer = await self._outer_rounds(bootstrap)
         except (OuterLinkError, TimeoutError, OSError) as exc:
             if not bootstrap:
                 raise
@@ -216,10 +216,13 @@ class Node:
             # (before the first round) moves us to the run's DHT again.
             log.warning("outer: no member's DHT answered (%s); starting our own", exc)
             self._dht_bootstrap = me
-            self.outer = await self._outer_rounds([])
-        await self.outer.load_state(replicas_exist=any(p.dht_addrs for p in replicas))
+            outer = await self._outer_rounds([])
+        await outer.load_state(replicas_exist=any(p.dht_addrs for p in replicas))
+        # Only a loaded outer loop is visible to rounds, drains and checkpoints: the link
+        # runs one operation at a time.
+        self.outer = outer
         # Announce the DHT (next heartbeat), so other nodes can bootstrap from it.
-        self.client.announce_dht(self.outer.link.dht_addrs())
+        self.client.announce_dht(outer.link.dht_addrs())
 
     async def _outer_rounds(self, bootstrap: list[str]) -> OuterRounds:
         assert self.join is not None and self.compute is not None
