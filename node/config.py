@@ -47,6 +47,9 @@ class NodeConfig:
     outer_compression: str = "fp16"  # pseudo-gradient codec: none | fp16 | uint8
     outer_matchmaking_s: float = 6.0  # seconds to gather replicas for a round
     outer_timeout_s: float = 20.0  # seconds an outer round may take once a group formed
+    # seconds a joiner waits for a replica's state; on timeout it starts from the seeded
+    # init and rebases onto the stage's newest state at its first round
+    outer_state_timeout_s: float = 10.0
     # eta and mu of the outer Nesterov step. DiLoCo's 0.7 / 0.9 diverged at our short
     # rounds (H = 10-25 inner steps); plain averaging did not (docs/outer-loop.md).
     outer_lr: float = 1.0  # eta, the outer (Nesterov) learning rate (dimensionless)

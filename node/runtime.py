@@ -237,6 +237,7 @@ class Node:
                 matchmaking_s=self.cfg.outer_matchmaking_s,
                 request_timeout_s=min(1.0, self.cfg.outer_matchmaking_s / 2),
                 round_timeout_s=self.cfg.outer_timeout_s,
+                state_timeout_s=self.cfg.outer_state_timeout_s,
                 diloco=DilocoConfig(
                     eta=self.cfg.outer_lr,
                     mu=self.cfg.outer_momentum,

@@ -161,6 +161,13 @@ def test_swarm_sigkill_stage0_replica_then_audit_and_export(tmp_path: Path) -> N
             f"commits past {at_kill + 8 * 1024} after the kill",
             swarm,
         )
+        ckpt = tmp_path / "ckpt"
+        _poll(
+            lambda: any(ckpt.glob("*/stage1.safetensors")),
+            240,
+            "a stage-1 checkpoint (its first applied outer round)",
+            swarm,
+        )
         codes = swarm.stop(timeout_s=120)
     finally:
         swarm.kill_all()
