@@ -124,7 +124,8 @@ def test_rogue_peer_is_refused_and_banned(swarm: LocalSwarm, tmp_path: Path) -> 
     tokens_before = committed(swarm)
     out = tmp_path / "rogue.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "rogue_peer.py"),
+        [sys.executable, "-m", "node.chaos_rogue",
+         "--attacks", "not_member,garbage,nan,shape,huge,control",
          "--coordinator", swarm.address, "--victim", victim, "--json", str(out)],
         env=child_env(), capture_output=True, text=True, timeout=150,
     )  # fmt: skip
