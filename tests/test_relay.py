@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -176,9 +177,13 @@ def test_no_listen_nodes_train_through_the_coordinators_relay(swarm: LocalSwarm)
     # The forwards reached hidden1 through the relay: both stage-0 nodes dialled its
     # circuit address, and it announced nothing else.
     hidden1_id = NodeKey((swarm.workdir / "hidden1.key").read_bytes()).peer_id
+
+    def reached(log: Path) -> bool:
+        return f"relay: connected to {hidden1_id} through" in log.read_text(errors="replace")
+
     for name in ("open0", "hidden0"):
-        log = swarm.nodes[name].log.read_text(errors="replace")
-        assert f"relay: connected to {hidden1_id} through" in log, swarm.nodes[name].tail(30)
+        log = swarm.nodes[name].log
+        poll(partial(reached, log), TRAIN_S, f"{name} to reach hidden1 via the relay", swarm)
     hidden_log = swarm.nodes["hidden1"].log.read_text(errors="replace")
     assert "relay: reserved a slot on" in hidden_log
     assert "/p2p-circuit/p2p/" in hidden_log
