@@ -82,7 +82,7 @@ class LocalSwarm:
     address: str = ""  # HOST:PORT of the coordinator
 
     def __post_init__(self) -> None:
-        self.workdir = Path(self.workdir)
+        self.workdir = Path(self.workdir).resolve()  # children run with it as their cwd
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.db = self.workdir / "coordinator.sqlite"
 
