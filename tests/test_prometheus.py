@@ -498,8 +498,12 @@ def test_prometheus_scrapes_training_nodes(tmp_path: Path) -> None:
                 timeout=120,
             )
             wait_for("a loss series", lambda: prom.series("agora_node_loss > 0"), timeout=60)
-            stages = {s["metric"]["stage"] for s in prom.series("agora_coordinator_peers > 0")}
-            assert stages == {"0", "1"}
+
+            def stages() -> bool:
+                peers = prom.series("agora_coordinator_peers > 0")
+                return {s["metric"]["stage"] for s in peers} == {"0", "1"}
+
+            wait_for("the coordinator's peers on stages 0 and 1", stages)
         finally:
             prom.stop()
         codes = swarm.stop()

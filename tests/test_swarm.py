@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,12 @@ def test_swarm_trains_and_loss_falls(swarm: LocalSwarm) -> None:
     )
     # Both stage-1 replicas took traffic: routing spreads the load.
     for name in ("a1", "b1"):
-        assert metric(swarm, name, "agora_p2p_served_total") > 0, f"{name} served nothing"
+        poll(
+            partial(metric, swarm, name, "agora_p2p_served_total"),
+            TRAIN_S,
+            f"{name} serving forwards",
+            swarm,
+        )
     assert committed(swarm) > 0
     assert_alive(swarm, [n for n, _ in NODES])
 
