@@ -54,6 +54,9 @@ class OuterRounds:
         self._steps_at_last = 0  # compute.inner_steps when the last round began
         self._tokens_at_last = 0  # compute.tokens_trained when the last round began
         self.rounds = 0  # rounds applied by this replica
+        # One tick at a time: the outer loop and a drain both tick, and a round must not
+        # begin while the last one's merge and `on_applied` (commits, checkpoint) run.
+        self._tick_lock = trio.Lock()
 
     @classmethod
     async def start(
@@ -115,6 +118,10 @@ class OuterRounds:
 
     async def tick(self) -> None:
         """Start a round when one is due; apply the running one's result when it is in."""
+        async with self._tick_lock:
+            await self._tick()
+
+    async def _tick(self) -> None:
         if self._in_flight is None:
             if self.compute.inner_steps - self._steps_at_last >= self.every_steps:
                 await self.begin()
@@ -159,10 +166,11 @@ class OuterRounds:
         """Drain: wait for the round in flight, then run one more to cover the rest."""
         with trio.move_on_after(timeout_s) as scope:
             for _ in range(2):
-                if self._in_flight is None:
-                    if self.compute.tokens_trained == self._tokens_at_last:
-                        return
-                    await self.begin()
+                async with self._tick_lock:
+                    if self._in_flight is None:
+                        if self.compute.tokens_trained == self._tokens_at_last:
+                            return
+                        await self.begin()
                 while self._in_flight is not None:
                     await trio.sleep(POLL_S)
                     await self.tick()

@@ -94,6 +94,7 @@ class Node:
         self._bytes_seen: dict[str, int] = {}  # codec byte counts already in the metrics
         self._progress: dict[int, LeaseProgress] = {}  # stage 0: progress of held leases
         self._commit_lock = trio.Lock()  # commits of one node go out in order
+        self._checkpoint_lock = trio.Lock()  # the round hook and the drain both write
         self.outer: OuterRounds | None = None  # None when outer_every_steps = 0
         self._dht_bootstrap = ""  # peer id whose DHT our outer process joined (or ours)
         self.throughput = 0.0  # measured tokens/s of this stage
@@ -271,7 +272,9 @@ class Node:
 
     async def _checkpoint(self, *, final: bool = False) -> None:
         """--- checkpoint hook (node.checkpoint): write theta_g when a checkpoint is due ---"""
-        if self.outer is not None and self.cfg.checkpoint_dir is not None:
+        if self.outer is None or self.cfg.checkpoint_dir is None:
+            return
+        async with self._checkpoint_lock:
             if self.checkpoints is None:
                 assert self.join is not None and self.compute is not None
                 self.checkpoints = stage_checkpointer(

@@ -152,9 +152,11 @@ def test_swarm_sigkill_stage0_replica_then_audit_and_export(tmp_path: Path) -> N
             swarm.add_node(name, stage, "--checkpoint-dir", str(tmp_path / "ckpt" / name))
         # Commits happen only once an outer round applied: committed > 0 means one did.
         _poll(lambda: swarm.status().committed_tokens > 0, 300, "a first commit", swarm)
-        at_kill = swarm.status().committed_tokens
         swarm.nodes["b0"].signal(signal.SIGKILL)
         assert swarm.nodes["b0"].popen.wait(10) == -signal.SIGKILL
+        # Read after b0 is gone (a commit of b0's could land between a read and the kill),
+        # so every commit past this is a0's, made after an applied round it checkpointed.
+        at_kill = swarm.status().committed_tokens
         _poll(
             lambda: swarm.status().committed_tokens > at_kill + 8 * 1024,
             240,
@@ -163,9 +165,12 @@ def test_swarm_sigkill_stage0_replica_then_audit_and_export(tmp_path: Path) -> N
         )
         ckpt = tmp_path / "ckpt"
         _poll(
-            lambda: any(ckpt.glob("*/stage1.safetensors")),
+            lambda: (
+                (ckpt / "a0" / "stage0.safetensors").is_file()
+                and any(ckpt.glob("*/stage1.safetensors"))
+            ),
             240,
-            "a stage-1 checkpoint (its first applied outer round)",
+            "a0's stage-0 checkpoint and a stage-1 checkpoint (their applied outer rounds)",
             swarm,
         )
         codes = swarm.stop(timeout_s=120)
