@@ -13,6 +13,9 @@
   join and the gauges cost O(stages), not O(peers) (the sums are recomputed exactly on
   every rebalance check to shed float drift). Change a live peer's stage only through
   `move`.
+- Observers (`agora export`) are live members listed in the view, so nodes serve their
+  data-plane requests, but they sit on no stage (`stage == n_stages`): placement,
+  rebalancing, the per-stage counts and sums never see them.
 """
 
 from __future__ import annotations
@@ -51,13 +54,17 @@ class Peer:
     drain: bool = False
     moved: bool = False  # not persisted: reported once in the next heartbeat reply
     saved_expires_at: float = 0.0  # not persisted: the expiry last journaled, unix seconds
+    observer: bool = False  # on no stage; persisted in the addrs JSON (no schema change)
 
     def row(self) -> tuple[Any, ...]:
         return (
             self.peer_id,
             self.public_key,
             self.stage,
-            json.dumps({"p2p": self.addrs, "dht": self.dht_addrs}),
+            json.dumps(
+                {"p2p": self.addrs, "dht": self.dht_addrs}
+                | ({"observer": True} if self.observer else {})
+            ),
             self.device,
             self.throughput,
             self.deadline,
@@ -90,6 +97,7 @@ class Peer:
             float(exp),
             state,
             bool(drain),
+            observer=bool(book.get("observer", False)),
         )
 
     def info(self) -> PeerInfo:
@@ -101,6 +109,7 @@ class Peer:
             device=self.device,
             throughput=self.throughput,
             deadline=self.deadline,
+            observer=self.observer,
         )
 
 
@@ -130,6 +139,7 @@ class Membership:
         self.banned: set[str] = set()
         self._sums = [0.0] * n_stages  # tokens/s per stage (peer rates floored at MIN_RATE)
         self._counts = [0] * n_stages  # live peers per stage
+        self.observers = 0  # live observers (on no stage)
         for p in sorted(peers, key=lambda p: p.expires_at):
             if p.state == LIVE:
                 self.live[p.peer_id] = p
@@ -156,19 +166,26 @@ class Membership:
     def resum(self) -> None:
         """Recompute the per-stage aggregates from the live peers (O(peers))."""
         sums, counts = [0.0] * self.n_stages, [0] * self.n_stages
+        observers = 0
         for p in self.live.values():
-            if p.stage < self.n_stages:
+            if p.observer:
+                observers += 1
+            elif p.stage < self.n_stages:
                 sums[p.stage] += max(p.throughput, MIN_RATE)
                 counts[p.stage] += 1
-        self._sums, self._counts = sums, counts
+        self._sums, self._counts, self.observers = sums, counts, observers
 
     def _account(self, peer: Peer, sign: int) -> None:
-        if peer.stage < self.n_stages:
+        if peer.observer:
+            self.observers += sign
+        elif peer.stage < self.n_stages:
             self._sums[peer.stage] += sign * max(peer.throughput, MIN_RATE)
             self._counts[peer.stage] += sign
 
     def move(self, peer: Peer, stage: int) -> None:
         """Put a live peer on `stage` (keeps the aggregates right; not versioned)."""
+        if peer.observer:
+            raise ValueError(f"observer {peer.peer_id} cannot be put on a stage")
         live = self.live.get(peer.peer_id) is peer
         if live:
             self._account(peer, -1)
@@ -195,7 +212,7 @@ class Membership:
         c_lo, c_hi = self.stage_costs[lo], self.stage_costs[hi]
         best: tuple[float, Peer] | None = None
         for p in self.live.values():
-            if p.stage != hi or p.fixed_stage or p.drain or busy(p.peer_id):
+            if p.stage != hi or p.fixed_stage or p.drain or p.observer or busy(p.peer_id):
                 continue
             t = max(p.throughput, MIN_RATE)
             new_lo, new_hi = rates[lo] + t / c_lo, rates[hi] - t / c_hi

@@ -206,10 +206,15 @@ class Service:
             return _err("unauthorized", "this peer id is not on the run's allowlist")
         if req.stage is not None and req.stage >= self.cfg.n_stages:
             return _err("bad_request", f"stage {req.stage} >= n_stages {self.cfg.n_stages}")
+        if req.observer and req.stage is not None:
+            return _err("bad_request", "an observer is on no stage: leave `stage` unset")
         if peer_id in self.membership.live:  # a re-join replaces the old membership
             self.book.release_holder(peer_id, now, expired=True)
             self.membership.remove(peer_id, LEFT)
-        stage = req.stage if req.stage is not None else self.membership.place()
+        if req.observer:  # listed, on no stage: never placed, routed to or given leases
+            stage = self.cfg.n_stages
+        else:
+            stage = req.stage if req.stage is not None else self.membership.place()
         peer = Peer(
             peer_id=peer_id,
             public_key=key,
@@ -219,15 +224,21 @@ class Service:
             device=req.device,
             throughput=req.throughput,
             deadline=req.deadline,
-            metrics_host=req.metrics_host or host,
-            metrics_port=req.metrics_port,
-            fixed_stage=req.stage is not None,
+            metrics_host=None if req.observer else req.metrics_host or host,
+            metrics_port=None if req.observer else req.metrics_port,  # not a scrape target
+            fixed_stage=req.stage is not None or req.observer,
             joined_at=now,
             expires_at=now + self.cfg.lease_ttl_s,
+            observer=req.observer,
         )
         self.membership.join(peer)
         self.metrics.joins.inc()
-        log.info("join %s -> stage %d (%s, %.0f tok/s)", peer_id, stage, req.device, req.throughput)
+        if req.observer:
+            log.info("join %s as an observer (%s)", peer_id, req.device)
+        else:
+            log.info(
+                "join %s -> stage %d (%s, %.0f tok/s)", peer_id, stage, req.device, req.throughput
+            )
         return c.JoinReply(
             peer_id=peer_id,
             stage=stage,
@@ -325,6 +336,8 @@ class Service:
         )
 
     def _acquire(self, peer: Peer, req: c.LeaseAcquire, now: float) -> Message:
+        if peer.observer:
+            return c.LeaseGrant(reason="observer")
         if self.paused:
             return c.LeaseGrant(reason="paused")
         if peer.drain:
@@ -429,7 +442,7 @@ class Service:
             run_id=self.cfg.run_id,
             membership_version=self.membership.version,
             paused=self.paused,
-            peers=len(self.membership.live),
+            peers=len(self.membership.live) - self.membership.observers,
             stages=stages,
             leases={"active": len(self.book.active)},
             shards=self.book.counts(),
@@ -440,6 +453,7 @@ class Service:
             eta_s=left / rate if rate > 0 else None,
             uptime_s=max(0.0, now - self.started),
             relays=list(self.cfg.relays),
+            observers=self.membership.observers,
         )
 
 

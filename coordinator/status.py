@@ -57,7 +57,9 @@ def _duration(s: float | None) -> str:
 def view(st: StatusReply) -> Group:
     """The status as one rich renderable (printed once, or refreshed by `--watch`)."""
     head = Text.from_markup(
-        f"[bold]run {st.run_id}[/]  peers {st.peers}  membership v{st.membership_version}"
+        f"[bold]run {st.run_id}[/]  peers {st.peers}"
+        + (f"  observers {st.observers}" if st.observers else "")
+        + f"  membership v{st.membership_version}"
         f"  uptime {_duration(st.uptime_s)}" + ("  [red]PAUSED[/]" if st.paused else "")
     )
     stages = Table(title="stages")

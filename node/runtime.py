@@ -8,7 +8,12 @@ Trio owns everything here; torch work goes to the one `TorchWorker` thread. Task
   prefix of finished micro-batches (a micro-batch counts once: its id is its lease and
   offset, and stage 0 finishes it once);
 - the `/agora/fwd/1` handler (stages > 0) runs the forward, passes it on, and answers with
-  the gradient once the downstream stages have answered.
+  the gradient once the downstream stages have answered;
+- the `/agora/state/1` handler (node.state_server) serves the stage's global state to
+  members, e.g. `agora export --coordinator` joined as an observer.
+
+Observers (`PeerInfo.observer`) are members (their streams are admitted) but on no
+stage: they are never routed to, bootstrapped from or counted as replicas.
 """
 
 from __future__ import annotations
@@ -24,7 +29,12 @@ import numpy as np
 import trio
 
 from node import metrics
-from node.checkpoint import StageCheckpointer, save_stage_state, stage_checkpointer
+from node.checkpoint import (
+    StageCheckpointer,
+    resume_state,
+    save_stage_state,
+    stage_checkpointer,
+)
 from node.config import NodeConfig
 from node.coordinator_client import (
     CoordinatorClient,
@@ -40,11 +50,14 @@ from node.outer_rounds import OuterRounds, Snapshot
 from node.p2p.transport import Transport, TransportError
 from node.routing import Router
 from node.stage_compute import InnerConfig, StageCompute, throughput_probe
+from node.state_server import StateServer
 from node.worker import TorchWorker
+from protocol.codec import DEFAULT_MAX_FRAME
 from protocol.control import HeartbeatReply, JoinReply, JoinRequest, LeaseInfo, LeaseRef, PeerInfo
 from protocol.errors import ProtocolError
 from protocol.message import Message
 from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
+from protocol.state import STATE_PROTOCOL
 from protocol.tensors import EncodedTensor, TensorFrame
 
 log = logging.getLogger(__name__)
@@ -99,6 +112,7 @@ class Node:
         self._dht_bootstrap = ""  # peer id whose DHT our outer process joined (or ours)
         self.throughput = 0.0  # measured tokens/s of this stage
         self.checkpoints: StageCheckpointer | None = None  # --checkpoint-dir (node.checkpoint)
+        self.state_server: StateServer | None = None  # /agora/state/1 (node.state_server)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -171,7 +185,11 @@ class Node:
         the root's, so groups can form. The smallest id never moves, so this converges."""
         me = self.transport.peer_id
         root = min(
-            (p for p in self.members.values() if p.dht_addrs and p.peer_id != me),
+            (
+                p
+                for p in self.members.values()
+                if p.dht_addrs and p.peer_id != me and not p.observer
+            ),
             key=lambda p: p.peer_id,
             default=None,
         )
@@ -204,10 +222,17 @@ class Node:
         root = self._dht_root()
         # The root first, then every other member's DHT: hivemind needs one to answer, so
         # a root that just died (still listed until its TTL lapses) does not strand us.
-        others = sorted((p for p in self.members.values() if p.dht_addrs), key=lambda p: p.peer_id)
+        others = sorted(
+            (p for p in self.members.values() if p.dht_addrs and not p.observer),
+            key=lambda p: p.peer_id,
+        )
         bootstrap = [a for p in others if p.peer_id != me for a in p.dht_addrs]
         self._dht_bootstrap = root.peer_id if root is not None else me
-        replicas = [p for p in self.members.values() if p.peer_id != me and p.stage == self.stage]
+        replicas = [
+            p
+            for p in self.members.values()
+            if p.peer_id != me and p.stage == self.stage and not p.observer
+        ]
         try:
             outer = await self._outer_rounds(bootstrap)
         except (OuterLinkError, TimeoutError, OSError) as exc:
@@ -218,7 +243,14 @@ class Node:
             log.warning("outer: no member's DHT answered (%s); starting our own", exc)
             self._dht_bootstrap = me
             outer = await self._outer_rounds([])
-        await outer.load_state(replicas_exist=any(p.dht_addrs for p in replicas))
+        resume = None
+        if self.cfg.checkpoint_dir is not None:  # the stage's own checkpoint, if any
+            resume = await trio.to_thread.run_sync(
+                resume_state, self.cfg.checkpoint_dir, self.join.run, self.stage, self.compute.model
+            )
+        await outer.load_state(replicas_exist=any(p.dht_addrs for p in replicas), resume=resume)
+        if self.state_server is not None:  # serve the loaded state (round 0 or fetched)
+            await self.state_server.capture(outer.link)
         # Only a loaded outer loop is visible to rounds, drains and checkpoints: the link
         # runs one operation at a time.
         self.outer = outer
@@ -254,7 +286,7 @@ class Node:
     def _round_target(self) -> int:
         """Tokens a full outer round gathers: every replica of this stage in the membership
         view trains `outer_every_steps` inner steps of `inner_batch_tokens` each."""
-        replicas = sum(1 for p in self.members.values() if p.stage == self.stage)
+        replicas = sum(1 for p in self.members.values() if p.stage == self.stage and not p.observer)
         return max(1, replicas) * self.cfg.outer_every_steps * self.cfg.inner_batch_tokens
 
     def _commit_snapshot(self) -> Snapshot:
@@ -264,6 +296,9 @@ class Node:
     async def _outer_applied(self, result: RoundResult, snapshot: Snapshot) -> None:
         """The round's snapshot is in the global state: commit what it covered."""
         await self._checkpoint()  # checkpoint hook: persist theta_g before committing
+        if self.state_server is not None and self.outer is not None:
+            # serve this round's theta_g (the link is idle until the hook returns)
+            await self.state_server.capture(self.outer.link)
         for lease_id, point in snapshot.items():
             lease = self.leases.get(lease_id)
             progress = self._progress.get(lease_id)
@@ -304,6 +339,16 @@ class Node:
             throughput_probe, self.compute, self.cfg.micro_batch, self.cfg.seq_len
         )
         self.transport.set_handler(FORWARD_PROTOCOL, self._serve_forward)
+        p2p = getattr(self.transport, "cfg", None)  # Libp2pTransport's P2PConfig
+        self.state_server = StateServer(
+            self.worker,
+            run_id=run.run_id,
+            stage=lambda: self.stage,
+            params=self.compute.parameters,
+            outer=self.cfg.outer_every_steps > 0,
+            max_frame=int(getattr(p2p, "max_frame", DEFAULT_MAX_FRAME)),
+        )
+        self.transport.set_handler(STATE_PROTOCOL, self.state_server.handle)
         self.transport.set_membership(lambda peer: peer in self.members)  # type: ignore[attr-defined]
         log.info("node: stage %d built; %.0f tokens/s measured", self.stage, self.throughput)
 
@@ -376,7 +421,11 @@ class Node:
     def _next_stage_peers(self) -> list[str]:
         want = self.stage + 1
         me = self.transport.peer_id
-        return [p for p, info in self.members.items() if info.stage == want and p != me]
+        return [
+            p
+            for p, info in self.members.items()
+            if info.stage == want and p != me and not info.observer
+        ]
 
     # --- stage 0: the driver ---------------------------------------------------------------
 

@@ -5,7 +5,7 @@ Public contract: `encode(msg) -> bytes`, `decode(data) -> Message`; anything mal
 raises `ProtocolError` and nothing else.
 """
 
-from protocol import control, dataplane, launch, pipeline
+from protocol import control, dataplane, launch, pipeline, state
 from protocol.codec import DEFAULT_MAX_FRAME, decode, encode, packb, unpackb
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame, frame_message
@@ -39,6 +39,7 @@ __all__ = [
     "record",
     "registered_tags",
     "sign_request",
+    "state",
     "unpackb",
     "verify_request",
     "verify_signature",

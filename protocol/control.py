@@ -11,7 +11,10 @@ Node-facing calls (request -> reply):
 
 - `JoinRequest` -> `JoinReply`: become a member. The reply carries the run (`RunInfo`:
   run id, model preset, stages, activation codec, seed, heartbeat interval, lease TTL,
-  dataset hash) and the node's `stage`. Joining again with the same key replaces the
+  dataset hash) and the node's `stage`. `JoinRequest(observer=True)` joins as an
+  observer (`agora export`): listed in the view with `PeerInfo.observer` so peers serve
+  its requests, but placed on no stage (its `stage` is `n_stages`), never routed to,
+  counted as a replica or granted a lease (`LeaseGrant(reason="observer")`). Joining again with the same key replaces the
   old membership (its leases are fenced). Fetch the dataset manifest with
   `ManifestRequest` -> `protocol.corpus.Manifest`.
 - `HeartbeatRequest` -> `HeartbeatReply`: send every `RunInfo.heartbeat_interval_s`.
@@ -119,6 +122,9 @@ class PeerInfo(Message):
     device: str = bounded(max_len=64)
     throughput: float = bounded(ge=0.0)  # tokens/s
     deadline: float | None = bounded(ge=0.0, default=None)  # unix seconds
+    # an observer (e.g. `agora export`): a member whose streams peers admit, on no stage
+    # (`stage` is the run's `n_stages`); never routed to, counted or given leases
+    observer: bool = False
 
 
 @record
@@ -169,6 +175,10 @@ class JoinRequest(Message):
     join_token: str = bounded(max_len=256, default="")  # for auth mode "token"
     metrics_port: int | None = bounded(ge=1, le=65535, default=None)  # Prometheus port
     metrics_host: str | None = bounded(max_len=255, default=None)  # default: source address
+    # join as an observer: listed in the membership view (so peers serve its data-plane
+    # requests) but on no stage, never routed to, never given a lease; `stage` must be
+    # unset and the reply's stage is `RunInfo.n_stages`. Auth modes apply as to any join.
+    observer: bool = False
 
 
 @message("join.reply", version=1)
@@ -295,6 +305,7 @@ class StatusReply(Message):
     uptime_s: float = bounded(ge=0.0, default=0.0)
     # circuit-relay v2 hops for outbound-only nodes, asked before they can join (multiaddrs)
     relays: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)
+    observers: int = bounded(ge=0, default=0)  # live observers (not in `peers` or `stages`)
 
 
 # --- admin -------------------------------------------------------------------------------

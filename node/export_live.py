@@ -1,0 +1,405 @@
+"""`agora export --coordinator HOST:PORT`: assemble the model from live stage replicas.
+
+The exporter is a short-lived member of the run:
+1. it joins as an observer (`JoinRequest(observer=True)`, with the run's join token if
+   it needs one) with a throwaway identity (or `--identity`), so nodes admit its
+   data-plane streams, while the coordinator never places, routes to or leases it;
+2. it reads the membership view and, for each stage, asks every replica for the first
+   chunk of its global state over `/agora/state/1` (protocol.state), each with a
+   deadline; the replica with the newest outer round is the source, the others are
+   fallbacks should it fail mid-download;
+3. it downloads the stage's flat state chunk by chunk (starting again when the served
+   round or copy changes between chunks), leaves the run, and reuses node.export's
+   assembly: the flat vector is cut per parameter in `model.parameters()` order of
+   `build_stage(config, stage, n_stages)` (node.checkpoint `split_flat`), the stages
+   are joined into the whole model and written as `model.safetensors` + `config.json`.
+
+Every wait has a deadline, and a timeout names the setting that bounds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from node.checkpoint import split_flat
+from node.coordinator_client import (
+    ClientConfig,
+    CoordinatorClient,
+    CoordinatorError,
+    CoordinatorUnavailable,
+)
+from node.export import Assembled, ExportError, assemble
+from node.model import ModelConfig, build_stage, preset, save_export
+from node.p2p.host import Libp2pTransport
+from node.p2p.transport import P2PConfig, RequestRefused, TransportError
+from protocol.control import JoinReply, JoinRequest, PeerInfo, RunInfo
+from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
+from protocol.state import CHUNK_ELEMENTS, STATE_PROTOCOL, StateChunk, StateRequest
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 5  # times a stage's download starts again because the served state changed
+RETRY_REFUSALS = ("not_member", "rate", "streams", "bytes")  # worth asking again shortly
+
+
+class LiveExportError(ExportError):
+    """The live replicas could not be exported (the message says which stage and why)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LiveOptions:
+    """Settings of a live export (the `agora export --coordinator` flags)."""
+
+    identity: Path | None = None  # key file; None = a throwaway identity
+    join_token: str = ""  # for runs with auth mode "token"
+    timeout_s: float = 600.0  # seconds the whole export may take (--timeout)
+    request_timeout_s: float = 30.0  # seconds one chunk request may take (--request-timeout)
+    # seconds replicas may take to admit the observer: they learn of it from the coordinator
+    # at their next membership refresh (about one heartbeat interval) (--member-wait)
+    member_wait_s: float = 30.0
+    chunk_elements: int = CHUNK_ELEMENTS  # fp32 elements asked per chunk
+    progress: bool = True  # show a progress bar on stderr
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "request_timeout_s", "member_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 1 <= self.chunk_elements <= CHUNK_ELEMENTS * 2:
+            raise ValueError(f"chunk_elements must be in [1, {CHUNK_ELEMENTS * 2}]")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageLayout:
+    names: list[str]  # global parameter names, in model.parameters() order
+    shapes: list[torch.Size]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageState:
+    stage: int
+    round: int
+    peer_id: str  # the replica it came from
+    flat: torch.Tensor  # fp32, the stage's global state in the outer loop's layout
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--coordinator must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def stage_layout(config: ModelConfig, stage: int, n_stages: int) -> StageLayout:
+    """Names and shapes of the stage's parameters, the flat state's layout."""
+    named = list(build_stage(config, stage, n_stages).named_parameters())
+    return StageLayout(names=[n for n, _ in named], shapes=[p.shape for _, p in named])
+
+
+def model_config(run: RunInfo) -> ModelConfig:
+    try:
+        return preset(run.model_preset).replace(seed=run.seed)
+    except ValueError as exc:
+        raise LiveExportError(f"run {run.run_id!r}: {exc}") from exc
+
+
+# --- downloading ----------------------------------------------------------------------------
+
+
+# (stage, elements done, elements in all, round, peer id)
+ProgressFn = Callable[[int, int, int, int, str], None]
+
+
+class _Fetcher:
+    def __init__(
+        self, transport: Libp2pTransport, run: RunInfo, opts: LiveOptions, progress: ProgressFn
+    ) -> None:
+        self.transport = transport
+        self.run = run
+        self.opts = opts
+        self.progress = progress
+
+    async def ask(self, peer: PeerInfo, stage: int, offset: int) -> StateChunk:
+        """One chunk from `peer`; refusals that may pass (not yet a member there, rate)
+        are retried until `member_wait_s`."""
+        give_up = trio.current_time() + self.opts.member_wait_s
+        req = StateRequest(stage=stage, offset=offset, count=self.opts.chunk_elements)
+        while True:
+            try:
+                reply = await self.transport.request(
+                    peer.peer_id,
+                    peer.addrs,
+                    STATE_PROTOCOL,
+                    req,
+                    timeout=self.opts.request_timeout_s,
+                )
+            except RequestRefused as exc:
+                wait = max(0.5, min(exc.retry_after, 5.0))
+                retry = exc.reason in RETRY_REFUSALS or exc.retry_after > 0
+                if not retry or trio.current_time() + wait > give_up:
+                    if exc.reason == "not_member":
+                        raise TransportError(
+                            f"{exc} (still not admitted after --member-wait"
+                            f" {self.opts.member_wait_s:g} s)",
+                            peer_id=peer.peer_id,
+                        ) from exc
+                    raise
+                await trio.sleep(wait)
+                continue
+            if not isinstance(reply, StateChunk):
+                raise TransportError(
+                    f"peer {peer.peer_id} answered {type(reply).__name__}, not a state chunk",
+                    peer_id=peer.peer_id,
+                )
+            if reply.stage != stage or reply.offset != offset or reply.run_id != self.run.run_id:
+                raise TransportError(
+                    f"peer {peer.peer_id} sent stage {reply.stage} offset {reply.offset} of run"
+                    f" {reply.run_id!r}; asked stage {stage} offset {offset} of {self.run.run_id!r}",
+                    peer_id=peer.peer_id,
+                )
+            return reply
+
+    async def probe(
+        self, stage: int, replicas: list[PeerInfo]
+    ) -> tuple[list[tuple[StateChunk, PeerInfo]], dict[str, str]]:
+        """Every replica's first chunk, newest round first, and the failures by peer id."""
+        got: list[tuple[StateChunk, PeerInfo]] = []
+        errors: dict[str, str] = {}
+
+        async def one(peer: PeerInfo) -> None:
+            try:
+                got.append((await self.ask(peer, stage, 0), peer))
+            except (TransportError, ProtocolError) as exc:
+                errors[peer.peer_id] = str(exc)
+                log.warning("export: replica %s of stage %d: %s", peer.peer_id, stage, exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer in replicas:
+                nursery.start_soon(one, peer)
+        return sorted(got, key=lambda cp: (-cp[0].round, cp[1].peer_id)), errors
+
+    async def download(
+        self, stage: int, layout: StageLayout, replicas: list[PeerInfo]
+    ) -> StageState:
+        candidates, errors = await self.probe(stage, replicas)
+        for first, peer in candidates:
+            try:
+                if first.numel != layout.numel:
+                    raise TransportError(
+                        f"peer {peer.peer_id} serves {first.numel} elements; stage {stage} of"
+                        f" the {self.run.model_preset} model has {layout.numel}",
+                        peer_id=peer.peer_id,
+                    )
+                return await self._download_from(stage, peer, first)
+            except (TransportError, ProtocolError) as exc:
+                errors[peer.peer_id] = str(exc)
+                log.warning("export: stage %d from %s failed: %s", stage, peer.peer_id, exc)
+        detail = "; ".join(f"{pid}: {err}" for pid, err in errors.items()) or "no replica"
+        raise LiveExportError(
+            f"no replica of stage {stage} delivered its state ({len(replicas)} tried): {detail}"
+        )
+
+    async def _download_from(self, stage: int, peer: PeerInfo, first: StateChunk) -> StageState:
+        flat = torch.empty(first.numel, dtype=torch.float32)
+        out = flat.numpy()
+        chunk = first
+        restarts = 0
+        while True:
+            out[chunk.offset : chunk.end] = chunk.values()
+            self.progress(stage, chunk.end, first.numel, first.round, peer.peer_id)
+            if chunk.end >= first.numel:
+                return StageState(stage=stage, round=first.round, peer_id=peer.peer_id, flat=flat)
+            chunk = await self.ask(peer, stage, chunk.end)
+            if (chunk.round, chunk.version, chunk.numel) != (
+                first.round,
+                first.version,
+                first.numel,
+            ):
+                restarts += 1
+                if restarts > MAX_RESTARTS:
+                    raise TransportError(
+                        f"peer {peer.peer_id}'s state changed {restarts} times during the"
+                        " download (rounds apply faster than it can be fetched)",
+                        peer_id=peer.peer_id,
+                    )
+                log.info(
+                    "export: stage %d moved from round %d to %d mid-download; starting again",
+                    stage, first.round, chunk.round,
+                )  # fmt: skip
+                first = chunk = await self.ask(peer, stage, 0)
+                flat = torch.empty(first.numel, dtype=torch.float32)
+                out = flat.numpy()
+
+
+async def _join(client: CoordinatorClient, opts: LiveOptions) -> JoinReply:
+    try:
+        joined = await client.join(
+            JoinRequest(observer=True, join_token=opts.join_token, device="export")
+        )
+    except CoordinatorError as exc:
+        hint = " (pass --join-token)" if exc.code == "unauthorized" else ""
+        raise LiveExportError(f"the coordinator refused the observer join: {exc}{hint}") from exc
+    if joined.stage != joined.run.n_stages:  # an old coordinator placed us on a stage
+        try:
+            await client.leave()
+        except (CoordinatorError, CoordinatorUnavailable):
+            pass
+        raise LiveExportError(
+            "the coordinator does not support observers (it placed the exporter on stage"
+            f" {joined.stage}); export from checkpoints instead (--checkpoints)"
+        )
+    return joined
+
+
+async def fetch_live(
+    host: str, port: int, opts: LiveOptions, progress: ProgressFn | None = None
+) -> tuple[RunInfo, dict[int, StageState]]:
+    """Join as an observer, download every stage's newest global state, leave."""
+    from node.identity import load_or_create_key
+
+    key = load_or_create_key(opts.identity) if opts.identity is not None else NodeKey.generate()
+    transport = Libp2pTransport(key, P2PConfig(listen=[]))  # outbound only
+    client_cfg = ClientConfig(retry_deadline_s=min(60.0, opts.timeout_s))
+    report = progress or (lambda *_: None)
+    try:
+        with trio.fail_after(opts.timeout_s):
+            async with (
+                transport.run(),
+                CoordinatorClient(host, port, key, config=client_cfg) as client,
+            ):
+                joined = await _join(client, opts)
+                run = joined.run
+                log.info("export: joined run %s as observer %s", run.run_id, key.peer_id)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(client.heartbeat_loop, list)
+                        states = await _fetch_stages(client, transport, run, opts, report)
+                        nursery.cancel_scope.cancel()
+                finally:
+                    with trio.move_on_after(10.0) as scope:
+                        scope.shield = True
+                        try:
+                            await client.leave()
+                        except (CoordinatorError, CoordinatorUnavailable) as exc:
+                            log.warning("export: could not leave the run: %s", exc)
+    except trio.TooSlowError:
+        raise LiveExportError(
+            f"the export did not finish within --timeout {opts.timeout_s:g} s"
+        ) from None
+    except CoordinatorUnavailable as exc:
+        raise LiveExportError(str(exc)) from exc
+    except CoordinatorError as exc:
+        raise LiveExportError(f"the coordinator refused: {exc}") from exc
+    return run, states
+
+
+async def _fetch_stages(
+    client: CoordinatorClient,
+    transport: Libp2pTransport,
+    run: RunInfo,
+    opts: LiveOptions,
+    progress: ProgressFn,
+) -> dict[int, StageState]:
+    view = await client.membership()
+    replicas = {
+        s: sorted(
+            (p for p in view.peers.values() if p.stage == s and not p.observer),
+            key=lambda p: p.peer_id,
+        )
+        for s in range(run.n_stages)
+    }
+    empty = [s for s, peers in replicas.items() if not peers]
+    if empty:
+        raise LiveExportError(
+            f"run {run.run_id!r}: no live replica of stage(s) {empty} in the membership view"
+        )
+    config = model_config(run)
+    fetcher = _Fetcher(transport, run, opts, progress)
+    states: dict[int, StageState] = {}
+    for stage in range(run.n_stages):
+        layout = stage_layout(config, stage, run.n_stages)
+        states[stage] = await fetcher.download(stage, layout, replicas[stage])
+    return states
+
+
+# --- assembling -----------------------------------------------------------------------------
+
+
+def assemble_live(run: RunInfo, states: dict[int, StageState]) -> Assembled:
+    """The whole model from the downloaded flat stage states (node.export `assemble`)."""
+    config = model_config(run)
+    tensors: dict[int, dict[str, torch.Tensor]] = {}
+    for stage, st in sorted(states.items()):
+        layout = stage_layout(config, stage, run.n_stages)
+        try:
+            tensors[stage] = split_flat(st.flat, layout.names, layout.shapes)
+        except ValueError as exc:
+            raise LiveExportError(f"stage {stage} from {st.peer_id}: {exc}") from exc
+    model = assemble(tensors, config)
+    return Assembled(
+        config=config,
+        model=model,
+        run_id=run.run_id,
+        rounds={s: st.round for s, st in sorted(states.items())},
+        sources={s: st.peer_id for s, st in sorted(states.items())},
+    )
+
+
+def _rich_progress() -> tuple[Any, ProgressFn]:
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+    tasks: dict[int, Any] = {}
+
+    def hook(stage: int, done: int, total: int, round_: int, peer_id: str) -> None:
+        desc = f"stage {stage} round {round_} from ...{peer_id[-8:]}"
+        task = tasks.get(stage)
+        if task is None:
+            task = tasks[stage] = bar.add_task(desc, total=total * 4)
+        bar.update(task, completed=done * 4, total=total * 4, description=desc)  # bytes
+
+    return bar, hook
+
+
+def export_live(address: str, out: Path, opts: LiveOptions) -> Assembled:
+    """`agora export --coordinator`: fetch, assemble and write the export to `out`."""
+    host, port = parse_address(address)
+    if opts.progress:
+        bar, hook = _rich_progress()
+        with bar:
+            run, states = trio.run(fetch_live, host, port, opts, hook)
+    else:
+        run, states = trio.run(fetch_live, host, port, opts)
+    got = assemble_live(run, states)
+    save_export(got.model, got.config, out)
+    return got
+
+
+__all__ = [
+    "LiveExportError",
+    "LiveOptions",
+    "StageState",
+    "assemble_live",
+    "export_live",
+    "fetch_live",
+]
