@@ -243,18 +243,29 @@ class StageCheckpointer:
             self._applied += 1
         return final or self._applied >= self.every_rounds
 
-    def capture(self, theta_g: torch.Tensor, round_: int) -> tuple[CheckpointMeta, Any]:
-        """Copy the state out of the link's buffer (call on the torch worker thread,
-        before the next link operation can overwrite it)."""
+    def capture(
+        self, theta_g: torch.Tensor, momentum: torch.Tensor, round_: int
+    ) -> tuple[CheckpointMeta, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Copy the state (theta_g and the outer momentum) out of the link's buffers (call
+        on the torch worker thread, before the next link operation can overwrite them)."""
         meta = CheckpointMeta(
             run_id=self.run_id, preset=self.preset, seed=self.seed, stage=self.stage, n_stages=self.n_stages, round=round_,
-            numel=self.numel, created_at=time.time(),
+            numel=self.numel, momentum=True, created_at=time.time(),
         )  # fmt: skip
-        return meta, split_flat(theta_g, self.names, self.shapes)
+        return (
+            meta,
+            split_flat(theta_g, self.names, self.shapes),
+            split_flat(momentum, self.names, self.shapes),
+        )
 
-    def write(self, meta: CheckpointMeta, tensors: dict[str, torch.Tensor]) -> Path:
+    def write(
+        self,
+        meta: CheckpointMeta,
+        tensors: dict[str, torch.Tensor],
+        momentum: dict[str, torch.Tensor] | None = None,
+    ) -> Path:
         """Write a captured state (any thread; disk I/O)."""
-        path = write_checkpoint(self.directory, meta, tensors)
+        path = write_checkpoint(self.directory, meta, tensors, momentum)
         self.last_round = meta.round
         self._applied = 0
         log.info("checkpoint: stage %d round %d -> %s", meta.stage, meta.round, path)
@@ -271,9 +282,11 @@ async def save_stage_state(
 
     if in_flight or not ck.due(final=final) or int(link.round) == ck.last_round:
         return None  # a round in flight, not due, or this state is on disk already
-    meta, tensors = await worker.run(ck.capture, link.theta_g(), int(link.round))
+    meta, tensors, momentum = await worker.run(
+        ck.capture, link.theta_g(), link.momentum(), int(link.round)
+    )
     try:
-        path: Path = await trio.to_thread.run_sync(ck.write, meta, tensors)
+        path: Path = await trio.to_thread.run_sync(ck.write, meta, tensors, momentum)
     except OSError as exc:
         log.warning("checkpoint: could not write stage %d round %d: %s", ck.stage, meta.round, exc)
         return None
@@ -291,3 +304,51 @@ def stage_checkpointer(
         seed=run.seed, stage=stage, n_stages=run.n_stages,
         names=[n for n, _ in named], shapes=[p.shape for _, p in named],
     )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeState:
+    """A stage's global state read back from its checkpoint, flat in parameter order."""
+
+    theta_g: torch.Tensor  # flat fp32
+    momentum: torch.Tensor | None  # flat fp32, when the checkpoint stored it
+    round: int
+    path: Path
+
+
+def resume_state(
+    directory: Path, run: Any, stage: int, model: torch.nn.Module
+) -> ResumeState | None:
+    """The state in `directory/stage{K}.safetensors` if it is a checkpoint of this run's
+    stage (same run id, preset, seed, stage count and parameter layout), else None (with
+    the reason logged): a node that finds no live replica of its stage resumes from it."""
+    path = checkpoint_paths(Path(directory), stage)[0]
+    if not path.is_file():
+        return None
+    try:
+        ck = read_checkpoint(path)
+    except CheckpointError as exc:
+        log.warning("checkpoint: not resuming: %s", exc)
+        return None
+    want = {"run_id": run.run_id, "preset": run.model_preset, "seed": run.seed}
+    want |= {"n_stages": run.n_stages, "stage": stage}
+    for name, value in want.items():
+        if getattr(ck.meta, name) != value:
+            log.warning(
+                "checkpoint: not resuming from %s: its %s is %r, this run's %r",
+                path, name, getattr(ck.meta, name), value,
+            )  # fmt: skip
+            return None
+    named = list(model.named_parameters())
+    if sorted(ck.tensors) != sorted(n for n, _ in named) or any(
+        ck.tensors[n].shape != p.shape for n, p in named
+    ):
+        log.warning(
+            "checkpoint: not resuming from %s: its parameters differ from the stage's", path
+        )
+        return None
+    flat = torch.cat([ck.tensors[n].flatten() for n, _ in named])
+    mom = None
+    if ck.momentum is not None and sorted(ck.momentum) == sorted(ck.tensors):
+        mom = torch.cat([ck.momentum[n].flatten() for n, _ in named])
+    return ResumeState(theta_g=flat, momentum=mom, round=ck.meta.round, path=path)

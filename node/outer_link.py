@@ -1,13 +1,13 @@
 """The stage process's handle on its outer-loop process (`python -m node.outer`).
 
-`OuterLink` starts the outer process as a fresh interpreter, shares two flat fp32
-buffers with it as files in /dev/shm (mapped by both with `torch.from_file(shared=True)`)
+`OuterLink` starts the outer process as a fresh interpreter, shares three flat fp32
+buffers with it (the snapshot, theta_g and the outer momentum m) as files in /dev/shm (mapped by both with `torch.from_file(shared=True)`)
 and speaks msgpack frames (`protocol.framing`) over a Unix socketpair. It never imports
 hivemind (DESIGN.md section 2). One operation is in flight at a time; every wait has a
 deadline. Usage from the stage's torch thread:
 
     link = OuterLink.start(run_id="r1", stage=0, numel=n, initial_peers=addrs)
-    link.set_initial_state(params)           # first node of a run, or
+    link.set_initial_state(params)           # first node of a run (or from a checkpoint), or
     link.fetch_state(timeout=30)             # a joiner: theta_g now in link.theta_g()
     link.begin_round(params, tokens)         # non-blocking: snapshot goes to the outer process
     ...inner steps...
@@ -124,15 +124,17 @@ class OuterLink:
         sock: socket.socket,
         snap: Path,
         result: Path,
+        momentum: Path,
         numel: int,
     ) -> None:
         self._proc = proc
         self._sock = sock
         self._decoder = FrameDecoder(max_frame=MAX_CONTROL_FRAME)
         self._inbox: list[dict[str, Any]] = []
-        self._snap_path, self._result_path = snap, result
+        self._paths = (snap, result, momentum)
         self._snap = torch.from_file(str(snap), shared=True, size=numel, dtype=torch.float32)
         self._result = torch.from_file(str(result), shared=True, size=numel, dtype=torch.float32)
+        self._m = torch.from_file(str(momentum), shared=True, size=numel, dtype=torch.float32)
         self.numel = numel
         self._pending: str | None = None  # op in flight
         self._ready: dict[str, Any] = {}
@@ -160,7 +162,8 @@ class OuterLink:
             raise ValueError(f"numel must be > 0, got {numel}")
         tag = f"agora-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         snap, result = SHM_DIR / f"{tag}-snap", SHM_DIR / f"{tag}-result"
-        for p in (snap, result):
+        momentum = SHM_DIR / f"{tag}-m"
+        for p in (snap, result, momentum):
             with open(p, "wb") as fh:
                 fh.truncate(numel * 4)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -177,12 +180,12 @@ class OuterLink:
             )
         except OSError:
             ours.close()
-            snap.unlink(missing_ok=True)
-            result.unlink(missing_ok=True)
+            for p in (snap, result, momentum):
+                p.unlink(missing_ok=True)
             raise
         finally:
             theirs.close()
-        link = cls(proc, ours, snap, result, numel)
+        link = cls(proc, ours, snap, result, momentum, numel)
         try:
             link._send(
                 {
@@ -193,6 +196,7 @@ class OuterLink:
                     "initial_peers": list(initial_peers),
                     "snap": str(snap),
                     "result": str(result),
+                    "momentum": str(momentum),
                     "config": cfg.to_wire(),
                 }
             )
@@ -213,14 +217,30 @@ class OuterLink:
         """Multiaddrs other nodes can bootstrap their DHT from (advertise via the coordinator)."""
         return list(self._ready.get("addrs", []))
 
-    def set_initial_state(self, params: Sequence[torch.Tensor], timeout: float = 30.0) -> None:
-        """Make `params` the global state at round 0 (the first replica of a stage)."""
+    def set_initial_state(
+        self,
+        params: Sequence[torch.Tensor],
+        timeout: float = 30.0,
+        *,
+        momentum: torch.Tensor | None = None,
+        round_: int = 0,
+    ) -> None:
+        """Make `params` the global state (the first replica of a stage): at round 0 with
+        zero momentum, or at `round_` with the flat `momentum` of a checkpoint."""
         self._require_idle()
+        if round_ < 0:
+            raise ValueError(f"round_ must be >= 0, got {round_}")
         t0 = time.monotonic()
         self._copy_in(params)
-        self._send({"op": "set_state"})
+        if momentum is not None:
+            if momentum.numel() != self.numel:
+                raise ValueError(
+                    f"momentum holds {momentum.numel()} elements, the link {self.numel}"
+                )
+            self._m.copy_(momentum.detach().flatten())
+        self._send({"op": "set_state", "round": round_, "momentum": momentum is not None})
         self.digest = str(self._wait("state_set", timeout)["digest"])
-        self.round = 0
+        self.round = round_
         self.stall_s += time.monotonic() - t0
 
     def fetch_state(self, timeout: float | None = None) -> int | None:
@@ -281,6 +301,11 @@ class OuterLink:
         """The newest theta_g (flat fp32 view, valid until the next operation)."""
         return self._result
 
+    def momentum(self) -> torch.Tensor:
+        """The outer momentum m of the newest state (flat fp32 view, valid until the next
+        operation)."""
+        return self._m
+
     def merge_into(self, params: Sequence[torch.Tensor]) -> None:
         """Overlap merge after a round: params = theta_g + (params - snapshot)."""
         t0 = time.monotonic()
@@ -316,8 +341,8 @@ class OuterLink:
                     self._proc.wait(timeout=timeout)
         finally:
             self._sock.close()
-            self._snap_path.unlink(missing_ok=True)
-            self._result_path.unlink(missing_ok=True)
+            for path in self._paths:
+                path.unlink(missing_ok=True)
 
     # ---- internals -------------------------------------------------------------------
 

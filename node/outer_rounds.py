@@ -17,9 +17,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import torch
 import trio
 
 from node import metrics
+from node.checkpoint import ResumeState
 from node.outer_link import OuterConfig, OuterLink, OuterLinkError, RoundResult
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker
@@ -92,8 +94,9 @@ class OuterRounds:
             on_applied=on_applied, target_tokens=target_tokens,
         )  # fmt: skip
 
-    async def load_state(self, replicas_exist: bool) -> None:
-        """A joiner takes (theta_g, m, round) from a live replica; the first one seeds it."""
+    async def load_state(self, replicas_exist: bool, resume: ResumeState | None = None) -> None:
+        """A joiner takes (theta_g, m, round) from a live replica; the first one seeds it
+        from `resume` (its stage checkpoint) when given, else from its initial weights."""
         params = self.compute.parameters()
         if replicas_exist:
             got = await self.worker.run(self.link.fetch_state)
@@ -101,8 +104,24 @@ class OuterRounds:
                 await self.worker.run(self._load, params)
                 log.info("outer: loaded the stage's global state at round %d", got)
                 return
-            log.warning("outer: no replica answered the state request; starting from init")
-        await self.worker.run(self.link.set_initial_state, params)
+            log.warning("outer: no replica answered the state request")
+        if resume is None:
+            log.info("outer: starting the stage's global state from the initial weights")
+            await self.worker.run(self.link.set_initial_state, params)
+            return
+        await self.worker.run(self._resume, params, resume)
+        log.info(
+            "outer: resumed the stage's global state at round %d from %s", resume.round, resume.path
+        )
+
+    def _resume(self, params: list[Any], resume: ResumeState) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p.copy_(resume.theta_g[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.compute.weights_changed()
+        self.link.set_initial_state(params, momentum=resume.momentum, round_=resume.round)
 
     def _load(self, params: list[Any]) -> None:
         self.link.load_into(params)

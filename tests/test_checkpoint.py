@@ -16,6 +16,7 @@ from node.checkpoint import (
     checkpoint_paths,
     find_checkpoints,
     read_checkpoint,
+    resume_state,
     split_flat,
     stage_checkpointer,
     write_checkpoint,
@@ -43,18 +44,29 @@ def test_round_trip_through_the_checkpointer(tmp_path: Path) -> None:
     ck = stage_checkpointer(tmp_path, 1, _run(), 1, stage)
     flat = _flat(stage) + 0.25  # a theta_g that differs from the init
     assert ck.due()
-    meta, tensors = ck.capture(flat, 7)
-    path = ck.write(meta, tensors)
+    mom = torch.full_like(flat, 0.5)
+    meta, tensors, momentum = ck.capture(flat, mom, 7)
+    path = ck.write(meta, tensors, momentum)
     assert path == checkpoint_paths(tmp_path, 1)[0] and ck.last_round == 7
 
     got = read_checkpoint(path)
     assert got.meta.round == 7 and got.meta.stage == 1 and got.meta.n_stages == 2
     assert got.meta.run_id == "r1" and got.meta.preset == "tiny" and got.meta.seed == 0
-    assert got.momentum is None
+    assert got.meta.momentum and got.momentum is not None
     # Same names as the stage's state dict, same values as the flat vector, in order.
     names = [n for n, _ in stage.named_parameters()]
-    assert sorted(got.tensors) == sorted(names)
+    assert sorted(got.tensors) == sorted(names) == sorted(got.momentum)
     assert torch.equal(torch.cat([got.tensors[n].flatten() for n in names]), flat)
+    assert torch.equal(torch.cat([got.momentum[n].flatten() for n in names]), mom)
+
+    # A node of the same run and stage resumes from it; any other run or stage does not.
+    resumed = resume_state(tmp_path, _run(), 1, stage)
+    assert resumed is not None and resumed.round == 7 and resumed.momentum is not None
+    assert torch.equal(resumed.theta_g, flat) and torch.equal(resumed.momentum, mom)
+    assert resume_state(tmp_path, _run(n_stages=3), 1, stage) is None
+    assert resume_state(tmp_path, _run(), 0, build_stage(CFG, 0, 2)) is None  # no file
+    other = RunInfo.from_wire({**_run().to_wire(), "run_id": "r2"})
+    assert resume_state(tmp_path, other, 1, stage) is None
     sidecar = json.loads(checkpoint_paths(tmp_path, 1)[1].read_text())
     assert sidecar["round"] == 7 and len(sidecar["sha256"]) == 64
     # No temporary files are left behind.

@@ -85,11 +85,34 @@ def test_group_round_gives_identical_state_and_a_joiner_downloads_it(
     d = (100 * da + 300 * db) / 400
     expect = flat0 - 0.7 * (d + 0.9 * d)
     assert torch.allclose(a.theta_g(), expect, atol=1e-6)
+    assert torch.allclose(a.momentum(), d, atol=1e-6)  # m = mu * 0 + d
+    assert torch.equal(a.momentum(), b.momentum())
 
     # a joiner mid-run receives (theta_g, m, round) from a live replica
     c = start(links, child_env, run, b.dht_addrs())
     assert c.fetch_state(timeout=15) == 1
     assert c.digest == ra.digest and torch.equal(c.theta_g(), a.theta_g())
+    assert torch.equal(c.momentum(), a.momentum())
+
+
+def test_a_stage_seeded_from_a_checkpoint_keeps_its_round_and_momentum(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """The first replica of a stage that resumes from its checkpoint (node.checkpoint
+    resume_state) seeds the outer process with the checkpoint's round and momentum; the
+    next round (alone) continues from them with the Nesterov update."""
+    a = start(links, child_env, uuid.uuid4().hex[:8], [])
+    theta0, m0 = torch.cat(params(3, 1.0)), torch.cat(params(4, 0.01))
+    a.set_initial_state([theta0], momentum=m0, round_=5)
+    assert a.round == 5 and torch.equal(a.momentum(), m0) and torch.equal(a.theta_g(), theta0)
+    w = theta0 - 0.01 * torch.cat(params(5, 1.0))
+    a.begin_round([w], 400)  # a full round's tokens: eta_r = eta
+    r = a.wait_result(30)
+    assert r.round == 6 and r.group_size == 1
+    d = theta0 - w  # alone: no wire compression
+    m1 = 0.9 * m0 + d
+    assert torch.allclose(a.momentum(), m1, atol=1e-6)
+    assert torch.allclose(a.theta_g(), theta0 - 0.7 * (d + 0.9 * m1), atol=1e-5)
 
 
 def test_frozen_replica_does_not_hold_the_other_and_is_rebased(

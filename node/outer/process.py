@@ -77,6 +77,9 @@ class OuterProcess:
         numel = int(init["numel"])
         self.snap = torch.from_file(init["snap"], shared=True, size=numel, dtype=torch.float32)
         self.result = torch.from_file(init["result"], shared=True, size=numel, dtype=torch.float32)
+        self.momentum = torch.from_file(
+            init["momentum"], shared=True, size=numel, dtype=torch.float32
+        )
         self.prefix = f"agora-{init['run_id']}-stage{int(init['stage'])}"
         self.dht = DHT(
             initial_peers=list(init["initial_peers"]),
@@ -112,9 +115,13 @@ class OuterProcess:
                 op = cmd["op"]
                 if op == "stop":
                     break
-                if op == "set_state":
-                    self.adopt(OuterState.fresh(self.snap))
-                    self.send({"op": "state_set", "round": 0, "digest": self.digest})
+                if op == "set_state":  # round 0, or a checkpoint's round and momentum
+                    state = OuterState.fresh(self.snap)
+                    state.round = int(cmd.get("round", 0))
+                    if cmd.get("momentum"):
+                        state.m = self.momentum.clone()
+                    self.adopt(state)
+                    self.send({"op": "state_set", "round": state.round, "digest": self.digest})
                 elif op == "fetch":
                     ok = self.download(float(cmd["timeout"]), min_round=-1)
                     rnd = self.state.round if self.state else -1
@@ -127,7 +134,7 @@ class OuterProcess:
                     raise ValueError(f"unknown command {op!r}")
         finally:
             # the link unlinks these too; doing it here covers a stage process that died
-            for path in (init["snap"], init["result"]):
+            for path in (init["snap"], init["result"], init["momentum"]):
                 Path(path).unlink(missing_ok=True)
             self.averager.shutdown()
             self.dht.shutdown()
@@ -148,6 +155,7 @@ class OuterProcess:
             self.state = state
             self.digest = digest(state)
         self.result.copy_(state.theta_g)
+        self.momentum.copy_(state.m)
         self.averager.allow_state_sharing = True
         self.averager.state_sharing_priority = float(state.round)
 
