@@ -308,12 +308,13 @@ def stage_checkpointer(
 
 @dataclass(frozen=True, slots=True)
 class ResumeState:
-    """A stage's global state read back from its checkpoint, flat in parameter order."""
+    """A stage's global state (from its checkpoint, or carried over from an outer loop
+    being replaced), flat in parameter order."""
 
     theta_g: torch.Tensor  # flat fp32
-    momentum: torch.Tensor | None  # flat fp32, when the checkpoint stored it
-    round: int
-    path: Path
+    momentum: torch.Tensor | None  # flat fp32, when known
+    round: int  # outer steps in the state
+    path: Path | None  # the checkpoint file; None when carried over, not read from disk
 
 
 def resume_state(

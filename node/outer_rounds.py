@@ -22,6 +22,7 @@ import trio
 
 from node import metrics
 from node.checkpoint import ResumeState
+from node.diloco import merge_local_progress
 from node.outer_link import OuterConfig, OuterLink, OuterLinkError, RoundResult
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker
@@ -94,25 +95,59 @@ class OuterRounds:
             on_applied=on_applied, target_tokens=target_tokens,
         )  # fmt: skip
 
-    async def load_state(self, replicas_exist: bool, resume: ResumeState | None = None) -> None:
+    async def load_state(
+        self,
+        replicas_exist: bool,
+        resume: ResumeState | None = None,
+        *,
+        keep_progress: bool = False,
+    ) -> None:
         """A joiner takes (theta_g, m, round) from a live replica; the first one seeds it
-        from `resume` (its stage checkpoint) when given, else from its initial weights."""
+        from `resume` (its stage checkpoint, or the state of the outer loop this one
+        replaces) when given, else from its initial weights. With `keep_progress` the
+        working copy keeps what it trained since `resume.theta_g` (a rebase onto the
+        fetched state; or `resume` seeds theta_g and the weights stay as they are)."""
         params = self.compute.parameters()
         if replicas_exist:
             got = await self.worker.run(self.link.fetch_state)
             if got is not None:
-                await self.worker.run(self._load, params)
+                if keep_progress and resume is not None:
+                    await self.worker.run(self._rebase, params, resume.theta_g)
+                else:
+                    await self.worker.run(self._load, params)
                 log.info("outer: loaded the stage's global state at round %d", got)
                 return
             log.warning("outer: no replica answered the state request")
         if resume is None:
             log.info("outer: starting the stage's global state from the initial weights")
             await self.worker.run(self.link.set_initial_state, params)
-            return
-        await self.worker.run(self._resume, params, resume)
-        log.info(
-            "outer: resumed the stage's global state at round %d from %s", resume.round, resume.path
+        elif keep_progress:
+            await self.worker.run(
+                lambda: self.link.set_initial_state(
+                    [resume.theta_g], momentum=resume.momentum, round_=resume.round
+                )
+            )
+            log.info("outer: kept its stage's global state at round %d", resume.round)
+        else:
+            await self.worker.run(self._resume, params, resume)
+            log.info(
+                "outer: resumed the stage's global state at round %d from %s",
+                resume.round, resume.path,
+            )  # fmt: skip
+
+    def carry_state(self) -> ResumeState:
+        """This loop's global state (copies), for the outer loop that replaces it."""
+        return ResumeState(
+            theta_g=self.link.theta_g().clone(),
+            momentum=self.link.momentum().clone(),
+            round=int(self.link.round),
+            path=None,
         )
+
+    def _rebase(self, params: list[Any], base: torch.Tensor) -> None:
+        """params = fetched theta_g + (params - base): keep the progress made since base."""
+        merge_local_progress(params, base, self.link.theta_g())
+        self.compute.weights_changed()
 
     def _resume(self, params: list[Any], resume: ResumeState) -> None:
         offset = 0

@@ -30,6 +30,7 @@ import trio
 
 from node import metrics
 from node.checkpoint import (
+    ResumeState,
     StageCheckpointer,
     resume_state,
     save_stage_state,
@@ -61,6 +62,10 @@ from protocol.state import STATE_PROTOCOL
 from protocol.tensors import EncodedTensor, TensorFrame
 
 log = logging.getLogger(__name__)
+
+# Moves to the run's DHT root before the first round (each restarts the outer process);
+# past this a node stays where it is (e.g. a root that is dead but not yet lapsed).
+MAX_DHT_MOVES = 3
 
 MAX_ROWS = 1024  # sequences per micro-batch a peer may send us
 IDLE_WAIT_S = 0.5  # seconds between polls when there is nothing to do
@@ -196,6 +201,7 @@ class Node:
         return root if root is not None and root.peer_id < me else None
 
     async def _outer_loop(self) -> None:
+        moves = 0
         while True:
             await trio.sleep(OUTER_POLL_S)
             assert self.outer is not None
@@ -205,18 +211,26 @@ class Node:
                 and not self.outer.in_flight
                 and root is not None
                 and root.peer_id != self._dht_bootstrap
+                and moves < MAX_DHT_MOVES
             ):
+                moves += 1
                 log.info(
                     "outer: moving to the run's DHT at %s before the first round", root.peer_id
                 )
                 old, self.outer = self.outer, None
+                # Training goes on during the move: keep that progress (a rebase onto the
+                # state found there), since its micro-batches will be committed.
+                carry = await self.worker.run(old.carry_state)
                 await trio.to_thread.run_sync(old.close)
-                await self._start_outer()
-                assert self.outer is not None
+                await self._start_outer(carry=carry)
+                # Check the root again before a round: a move that fell back to a DHT of
+                # our own must not be sealed by a first round taken alone.
+                continue
             await self.outer.tick()
 
-    async def _start_outer(self) -> None:
-        """Start the hivemind outer loop, load the stage's state, announce its DHT."""
+    async def _start_outer(self, carry: ResumeState | None = None) -> None:
+        """Start the hivemind outer loop, load the stage's state, announce its DHT.
+        `carry` is the state of the outer loop this one replaces (a DHT move)."""
         assert self.join is not None and self.compute is not None
         me = self.transport.peer_id
         root = self._dht_root()
@@ -243,12 +257,16 @@ class Node:
             log.warning("outer: no member's DHT answered (%s); starting our own", exc)
             self._dht_bootstrap = me
             outer = await self._outer_rounds([])
-        resume = None
-        if self.cfg.checkpoint_dir is not None:  # the stage's own checkpoint, if any
+        resume = carry
+        if resume is None and self.cfg.checkpoint_dir is not None:  # the stage's checkpoint
             resume = await trio.to_thread.run_sync(
                 resume_state, self.cfg.checkpoint_dir, self.join.run, self.stage, self.compute.model
             )
-        await outer.load_state(replicas_exist=any(p.dht_addrs for p in replicas), resume=resume)
+        await outer.load_state(
+            replicas_exist=any(p.dht_addrs for p in replicas),
+            resume=resume,
+            keep_progress=carry is not None,
+        )
         if self.state_server is not None:  # serve the loaded state (round 0 or fetched)
             await self.state_server.capture(outer.link)
         # Only a loaded outer loop is visible to rounds, drains and checkpoints: the link
@@ -509,7 +527,9 @@ class Node:
                 metrics.LOSS.set(self.stats.loss or loss)  # mean of the last 32
             metrics.MICROBATCHES.labels("done").inc()
             progress.finish(start, stop)
-            if self.outer is None:  # no outer loop: a finished micro-batch is committed
+            # No outer loop: a finished micro-batch is committed. With one, only the round
+            # that covers it commits it (also while the outer loop moves or restarts).
+            if self.cfg.outer_every_steps == 0:
                 await self._commit(lease, progress, upto=progress.commit_point())
         finally:
             slots.release()
