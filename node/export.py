@@ -27,6 +27,7 @@ import torch
 
 from node.checkpoint import Checkpoint, CheckpointError, find_checkpoints, read_checkpoint
 from node.model import ModelConfig, Stage, build_model, load_stage_weights, preset, save_export
+from protocol.state import CHUNK_ELEMENTS
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
         " needed for runs with auth mode allowlist",
     )  # fmt: skip
     live.add_argument(
-        "--join-token", default=os.environ.get("AGORA_JOIN_TOKEN", ""),
+        "--join-token", default=os.environ.get("AGORA_JOIN_TOKEN", ""), metavar="TOKEN",
         help="the run's join token, for auth mode token (default: $AGORA_JOIN_TOKEN)",
     )  # fmt: skip
     live.add_argument(
@@ -166,6 +167,10 @@ def _parser() -> argparse.ArgumentParser:
         "--member-wait", type=float, default=30.0, metavar="S",
         help="seconds replicas may take to admit the new observer (they learn of it at"
         " their next membership refresh; default 30)",
+    )  # fmt: skip
+    live.add_argument(
+        "--chunk-elements", type=int, default=CHUNK_ELEMENTS, metavar="N",
+        help=f"fp32 elements asked per state chunk (default {CHUNK_ELEMENTS}, 16 MiB)",
     )  # fmt: skip
     live.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -185,6 +190,7 @@ def _export_live(args: argparse.Namespace) -> Assembled:
         timeout_s=args.timeout,
         request_timeout_s=args.request_timeout,
         member_wait_s=args.member_wait,
+        chunk_elements=args.chunk_elements,
         progress=not args.no_progress,
     )
     return export_live(args.coordinator, args.out, opts)

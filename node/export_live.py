@@ -270,30 +270,15 @@ async def fetch_live(
     from node.identity import load_or_create_key
 
     key = load_or_create_key(opts.identity) if opts.identity is not None else NodeKey.generate()
-    transport = Libp2pTransport(key, P2PConfig(listen=[]))  # outbound only
-    client_cfg = ClientConfig(retry_deadline_s=min(60.0, opts.timeout_s))
-    report = progress or (lambda *_: None)
     try:
         with trio.fail_after(opts.timeout_s):
-            async with (
-                transport.run(),
-                CoordinatorClient(host, port, key, config=client_cfg) as client,
-            ):
-                joined = await _join(client, opts)
-                run = joined.run
-                log.info("export: joined run %s as observer %s", run.run_id, key.peer_id)
-                try:
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(client.heartbeat_loop, list)
-                        states = await _fetch_stages(client, transport, run, opts, report)
-                        nursery.cancel_scope.cancel()
-                finally:
-                    with trio.move_on_after(10.0) as scope:
-                        scope.shield = True
-                        try:
-                            await client.leave()
-                        except (CoordinatorError, CoordinatorUnavailable) as exc:
-                            log.warning("export: could not leave the run: %s", exc)
+            try:
+                return await _session(host, port, key, opts, progress or (lambda *_: None))
+            except BaseExceptionGroup as group:  # the libp2p host's nursery wraps errors
+                leaf = _first_error(group)
+                if leaf is None:
+                    raise
+                raise leaf from None
     except trio.TooSlowError:
         raise LiveExportError(
             f"the export did not finish within --timeout {opts.timeout_s:g} s"
@@ -302,7 +287,41 @@ async def fetch_live(
         raise LiveExportError(str(exc)) from exc
     except CoordinatorError as exc:
         raise LiveExportError(f"the coordinator refused: {exc}") from exc
+
+
+async def _session(
+    host: str, port: int, key: NodeKey, opts: LiveOptions, progress: ProgressFn
+) -> tuple[RunInfo, dict[int, StageState]]:
+    transport = Libp2pTransport(key, P2PConfig(listen=[]))  # outbound only
+    client_cfg = ClientConfig(retry_deadline_s=min(60.0, opts.timeout_s))
+    async with transport.run(), CoordinatorClient(host, port, key, config=client_cfg) as client:
+        joined = await _join(client, opts)
+        run = joined.run
+        log.info("export: joined run %s as observer %s", run.run_id, key.peer_id)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.heartbeat_loop, list)
+                states = await _fetch_stages(client, transport, run, opts, progress)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.move_on_after(10.0) as scope:
+                scope.shield = True
+                try:
+                    await client.leave()
+                except (CoordinatorError, CoordinatorUnavailable) as exc:
+                    log.warning("export: could not leave the run: %s", exc)
     return run, states
+
+
+def _first_error(exc: BaseException) -> BaseException | None:
+    """The first exception in a (nested) group that is not a cancellation."""
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            leaf = _first_error(sub)
+            if leaf is not None:
+                return leaf
+        return None
+    return None if isinstance(exc, trio.Cancelled) else exc
 
 
 async def _fetch_stages(

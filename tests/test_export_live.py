@@ -1,0 +1,308 @@
+"""`agora export --coordinator`: observer membership against a real coordinator (auth
+modes, no lease, no stage, no scrape target, gone after the export), and a live export
+from a real swarm over py-libp2p that evaluates better than the untrained model."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+from coordinator_harness import Coordinator, wait_for, write_config
+
+from node.baseline import evaluate_weights
+from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
+from node.data import load_dataset
+from node.export import main as export_main
+from node.export_live import LiveOptions, StageLayout, StageState, _Fetcher
+from node.model import build_stage, load_export
+from node.p2p.host import Libp2pTransport
+from node.p2p.transport import P2PConfig
+from node.state_server import StateServer
+from node.swarm import LocalSwarm, child_env
+from node.worker import TorchWorker
+from protocol import control as c
+from protocol.identity import NodeKey
+from protocol.state import STATE_PROTOCOL
+
+REPO = Path(__file__).resolve().parent.parent
+FAST = ClientConfig(call_timeout_s=5.0, retry_deadline_s=20.0)
+TOKEN = "j0in-t0ken"
+
+
+async def _error_code(coro: Any) -> str:
+    try:
+        await coro
+    except CoordinatorError as exc:
+        return exc.code
+    raise AssertionError("the call succeeded but an error reply was expected")
+
+
+def _sd_targets(path: Path) -> set[str]:
+    if not path.exists():
+        return set()
+    return {t for group in json.loads(path.read_text()) for t in group["targets"]}
+
+
+def test_observer_membership(
+    tmp_path: Path, child_env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Token auth applies to observers; an observer is listed (flagged, on no stage) but
+    gets no lease, is in no stage's count, metrics or file-SD; `agora export` names what
+    is missing and leaves the run when it fails."""
+    sd = tmp_path / "sd.json"
+    cfg = write_config(
+        tmp_path, auth="token", join_token=TOKEN, prometheus_sd=str(sd), metrics_port=0,
+        lease_ttl_s=20.0, heartbeat_interval_s=1.0,
+    )  # fmt: skip
+    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+    m = wait_for(lambda: re.search(r"metrics on ([\d.]+):(\d+)", coord.output()), "metrics line")
+    metrics_url = f"http://{m.group(1)}:{m.group(2)}/metrics"
+    kobs, knode = NodeKey.generate(), NodeKey.generate()
+    address = f"127.0.0.1:{coord.port}"
+
+    async def main() -> None:
+        port = coord.port
+        async with (
+            CoordinatorClient("127.0.0.1", port, kobs, config=FAST) as obs,
+            CoordinatorClient("127.0.0.1", port, knode, config=FAST) as node,
+        ):
+            assert await _error_code(obs.join(c.JoinRequest(observer=True))) == "unauthorized"
+            bad = c.JoinRequest(observer=True, join_token=TOKEN, stage=0)
+            assert await _error_code(obs.join(bad)) == "bad_request"
+            joined = await obs.join(
+                c.JoinRequest(observer=True, join_token=TOKEN, metrics_port=9102)
+            )
+            assert joined.stage == joined.run.n_stages == 2  # on no stage
+            placed = await node.join(c.JoinRequest(join_token=TOKEN, metrics_port=9101))
+            assert placed.stage == 0  # placement did not count the observer
+
+            grant = await obs.acquire_grant()
+            assert grant.lease is None and grant.reason == "observer"
+            beat = await obs.heartbeat()
+            assert beat.stage == 2 and not beat.moved
+            view = await node.membership()
+            assert view.peers[kobs.peer_id].observer and view.peers[kobs.peer_id].stage == 2
+            assert not view.peers[knode.peer_id].observer
+            status = await obs.status()
+            assert (status.peers, status.observers) == (1, 1)
+            assert [s.peers for s in status.stages] == [1, 0]
+            await trio.to_thread.run_sync(
+                lambda: wait_for(lambda: _sd_targets(sd), "the file-SD with the node")
+            )
+            assert _sd_targets(sd) == {"127.0.0.1:9101"}  # the observer is no target
+
+            # the export CLI: refused without the token; with it, stage 1 has no replica
+            args = ["--coordinator", address, "--out", str(tmp_path / "m"), "--no-progress"]
+            assert await trio.to_thread.run_sync(export_main, args) == 2
+            assert "unauthorized" in capsys.readouterr().err
+            with_token = [*args, "--join-token", TOKEN, "--timeout", "60"]
+            assert await trio.to_thread.run_sync(export_main, with_token) == 2
+            err = capsys.readouterr().err
+            assert "no live replica of stage(s) [1]" in err, err
+            status = await obs.status()
+            assert (status.peers, status.observers) == (1, 1)  # the exporter left
+
+    trio.run(main)
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    assert 'agora_coordinator_peers{stage="0"} 1.0' in text
+    assert 'agora_coordinator_peers{stage="1"} 0.0' in text
+    assert coord.stop() == 0
+
+
+def test_observer_on_an_allowlist(tmp_path: Path, child_env: dict[str, str]) -> None:
+    allowed, other = NodeKey.generate(), NodeKey.generate()
+    cfg = write_config(tmp_path, auth="allowlist", allowlist=[allowed.peer_id])
+    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+
+    async def main() -> None:
+        async with (
+            CoordinatorClient("127.0.0.1", coord.port, allowed, config=FAST) as a,
+            CoordinatorClient("127.0.0.1", coord.port, other, config=FAST) as b,
+        ):
+            assert await _error_code(b.join(c.JoinRequest(observer=True))) == "unauthorized"
+            assert (await a.join(c.JoinRequest(observer=True))).stage == 2
+            await a.leave()
+            assert (await a.status()).observers == 0
+
+    trio.run(main)
+    assert coord.stop() == 0
+
+
+# --- end to end: a live export from a real swarm ---------------------------------------------
+
+
+def _poll(pred: Any, timeout_s: float, what: str, swarm: LocalSwarm) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {n}:\n{p.tail(12)}" for n, p in swarm.nodes.items())
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tails}")
+        time.sleep(0.5)
+
+
+def _outer_steps(swarm: LocalSwarm, name: str) -> float:
+    return swarm.scrape(name).get("agora_node_outer_steps_total", 0.0)
+
+
+@pytest.mark.timeout(600)  # three interpreters importing torch + hivemind on a loaded 2-core box
+def test_live_export_from_a_swarm(tmp_path: Path) -> None:
+    """Coordinator + 2 stages x 1 replica with outer rounds every 3 inner steps: once each
+    stage applied rounds, `agora export --coordinator` (a subprocess, joining as an
+    observer over py-libp2p) writes a model that beats the untrained one; the swarm
+    trains on and drains cleanly afterwards."""
+    toml = tmp_path / "node.toml"
+    toml.write_text(
+        "[node]\nouter_every_steps = 3\ninner_batch_tokens = 1024\nouter_matchmaking_s = 1.0\n"
+        "warmup_steps = 1\n"
+    )
+    swarm = LocalSwarm(workdir=tmp_path / "run", preset="tiny", node_args=["--config", str(toml)])
+    names = {"s0": 0, "s1": 1}
+    try:
+        swarm.start_coordinator()
+        for name, stage in names.items():
+            swarm.add_node(name, stage)
+        _poll(
+            lambda: all(_outer_steps(swarm, n) >= 3 for n in names),
+            400,
+            "three applied outer rounds on each stage",
+            swarm,
+        )
+        out, summary = tmp_path / "model", tmp_path / "export.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "node.cli", "export", "--coordinator", swarm.address,
+             "--out", str(out), "--json", str(summary), "--timeout", "180",
+             "--member-wait", "60", "--chunk-elements", "100000"],
+            env=child_env(), capture_output=True, text=True, timeout=240, cwd=REPO,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        got = json.loads(summary.read_text())
+        assert got["run_id"] == "local-swarm"
+        assert set(got["rounds"]) == {"0", "1"} and min(got["rounds"].values()) >= 1, got
+        peer_ids = {
+            str(s): NodeKey((swarm.workdir / f"{n}.key").read_bytes()).peer_id
+            for n, s in names.items()
+        }
+        assert got["sources"] == peer_ids
+        status = swarm.status()
+        assert status.observers == 0 and status.peers == 2  # the exporter left
+        at_export = status.committed_tokens
+        _poll(
+            lambda: swarm.status().committed_tokens > at_export,
+            120,
+            "training to go on after the export",
+            swarm,
+        )
+        codes = swarm.stop(timeout_s=120)
+    finally:
+        swarm.kill_all()
+    assert codes == {"s0": 0, "s1": 0, "coordinator": 0}, {
+        n: p.tail(30) for n, p in swarm.nodes.items()
+    }
+    served = [p.log.read_text() for p in swarm.nodes.values()]
+    assert all("state: serving stage" in log for log in served)
+
+    config, tensors = load_export(out)
+    data = load_dataset()
+    kw = {"batch_size": 8, "seq_len": 128, "n_batches": 4}
+    trained = evaluate_weights(config, tensors, data, **kw)
+    untrained = evaluate_weights(config, build_stage(config, 0, 1).state_dict(), data, **kw)
+    assert trained < untrained - 0.3, (trained, untrained)
+
+
+# --- the download client against real libp2p state servers (in process) --------------------
+
+
+class _Link:
+    """What the state server reads of an OuterLink: `theta_g()` and `round`."""
+
+    def __init__(self, values: torch.Tensor, round_: int) -> None:
+        self.values, self.round = values, round_
+
+    def theta_g(self) -> torch.Tensor:
+        return self.values
+
+
+def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() -> None:
+    """Two replicas serve (rounds 3 and 5) over real py-libp2p streams, a third is dead:
+    the client takes round 5 in 4-element chunks, starts again when the served round
+    changes mid-download, and waits out a `not_member` refusal until it is admitted."""
+    n = 18
+    worker = TorchWorker()
+    run = c.RunInfo(
+        run_id="r1", model_preset="tiny", n_stages=2, codec="subspace_int8", seed=0,
+        heartbeat_interval_s=1.0, lease_ttl_s=10.0, dataset_name="d", dataset_hash="0" * 64,
+        shards=1, data_epoch=0,
+    )  # fmt: skip
+    client_key = NodeKey.generate()
+    admitted: set[str] = set()
+    servers, transports = [], []
+    for round_ in (3, 5):
+        t = Libp2pTransport(NodeKey.generate(), P2PConfig())
+        srv = StateServer(
+            worker, run_id="r1", stage=lambda: 1, params=list, outer=True, max_frame=4096 + 16
+        )
+        t.set_handler(STATE_PROTOCOL, srv.handle)
+        t.set_membership(lambda peer: peer in admitted)
+        servers.append((srv, _Link(torch.arange(n, dtype=torch.float32) * round_, round_)))
+        transports.append(t)
+    dead = NodeKey.generate().peer_id
+    opts = LiveOptions(request_timeout_s=5.0, member_wait_s=20.0, chunk_elements=4)
+    layout = StageLayout(names=["w"], shapes=[torch.Size([n])])
+    seen: list[tuple[int, int]] = []
+
+    def progress(stage: int, done: int, total: int, round_: int, peer_id: str) -> None:
+        seen.append((done, round_))
+        if len(seen) == 2:  # the newest replica applies a round mid-download
+            srv, link = servers[1]
+            link.values, link.round = torch.arange(n, dtype=torch.float32) * 6, 6
+            srv._hold(link.values.clone(), 6)  # what capture() does, synchronously
+
+    async def main() -> StageState:
+        async with trio.open_nursery() as nursery:
+            for srv, link in servers:
+                await srv.capture(link)
+            for t in transports:
+                await nursery.start(_run_transport, t)
+            client = Libp2pTransport(client_key, P2PConfig(listen=[]))
+            await nursery.start(_run_transport, client)
+            replicas = [
+                c.PeerInfo(peer_id=t.peer_id, stage=1, addrs=t.listen_addrs, device="cpu",
+                           throughput=0.0)
+                for t in transports
+            ] + [
+                c.PeerInfo(peer_id=dead, stage=1, addrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{dead}"],
+                           device="cpu", throughput=0.0)
+            ]  # fmt: skip
+            fetcher = _Fetcher(client, run, opts, progress)
+
+            async def admit_later() -> None:
+                await trio.sleep(1.5)  # the nodes' next membership refresh
+                admitted.add(client_key.peer_id)
+
+            nursery.start_soon(admit_later)
+            got = await fetcher.download(1, layout, replicas)
+            nursery.cancel_scope.cancel()
+        return got
+
+    try:
+        got = trio.run(main)
+    finally:
+        worker.close()
+    assert got.round == 6 and got.peer_id == transports[1].peer_id
+    assert got.flat.tolist() == [6.0 * i for i in range(n)]
+    assert seen[0] == (4, 5) and seen[-1] == (n, 6), seen
+
+
+async def _run_transport(t: Libp2pTransport, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async with t.run():
+        task_status.started()
+        await trio.sleep_forever()
