@@ -290,10 +290,18 @@ class Bench:
         self.wait_training([fresh], self.args.start_timeout)
 
     def retried(self, names: list[str]) -> float:
-        return sum(
-            self.swarm.scrape(n).get('agora_node_microbatches_total{result="retried"}', 0.0)
-            for n in names
-        )
+        """Stage 0's retried micro-batches (Prometheus); a busy node may miss one scrape."""
+        key = 'agora_node_microbatches_total{result="retried"}'
+        total = 0.0
+        for n in names:
+            for _ in range(5):
+                got = self.swarm.scrape(n, timeout_s=5.0)
+                if got:
+                    total += got.get(key, 0.0)
+                    break
+            else:
+                raise TimeoutError(f"cannot scrape the metrics of {n}")
+        return total
 
     def lapsed_at(self, peer: str, since: float) -> float | None:
         """When the coordinator logged the peer as lapsed (after `since`), from its log."""
