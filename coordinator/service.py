@@ -208,6 +208,12 @@ class Service:
             return _err("bad_request", f"stage {req.stage} >= n_stages {self.cfg.n_stages}")
         if req.observer and req.stage is not None:
             return _err("bad_request", "an observer is on no stage: leave `stage` unset")
+        live = self.membership.live.get(peer_id)
+        if req.observer and live is not None and not live.observer:
+            # the re-join below would evict a training node and fence its leases
+            return _err(
+                "bad_request", "this identity is a live training member; observe with another"
+            )
         if peer_id in self.membership.live:  # a re-join replaces the old membership
             self.book.release_holder(peer_id, now, expired=True)
             self.membership.remove(peer_id, LEFT)

@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     live.add_argument(
         "--identity", type=Path, metavar="PATH",
         help="key file to join with (created if missing; default: a throwaway identity);"
-        " needed for runs with auth mode allowlist",
+        " needed for runs with auth mode allowlist; not the key of a running node",
     )  # fmt: skip
     live.add_argument(
         "--join-token", default=os.environ.get("AGORA_JOIN_TOKEN", ""), metavar="TOKEN",

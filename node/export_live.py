@@ -131,11 +131,13 @@ class _Fetcher:
         self.opts = opts
         self.progress = progress
 
-    async def ask(self, peer: PeerInfo, stage: int, offset: int) -> StateChunk:
+    async def ask(
+        self, peer: PeerInfo, stage: int, offset: int, count: int | None = None
+    ) -> StateChunk:
         """One chunk from `peer`; refusals that may pass (not yet a member there, rate)
         are retried until `member_wait_s`."""
         give_up = trio.current_time() + self.opts.member_wait_s
-        req = StateRequest(stage=stage, offset=offset, count=self.opts.chunk_elements)
+        req = StateRequest(stage=stage, offset=offset, count=count or self.opts.chunk_elements)
         while True:
             try:
                 reply = await self.transport.request(
@@ -174,13 +176,14 @@ class _Fetcher:
     async def probe(
         self, stage: int, replicas: list[PeerInfo]
     ) -> tuple[list[tuple[StateChunk, PeerInfo]], dict[str, str]]:
-        """Every replica's first chunk, newest round first, and the failures by peer id."""
+        """Every replica's first element (its round, version and size), newest round
+        first, and the failures by peer id."""
         got: list[tuple[StateChunk, PeerInfo]] = []
         errors: dict[str, str] = {}
 
         async def one(peer: PeerInfo) -> None:
             try:
-                got.append((await self.ask(peer, stage, 0), peer))
+                got.append((await self.ask(peer, stage, 0, count=1), peer))
             except (TransportError, ProtocolError) as exc:
                 errors[peer.peer_id] = str(exc)
                 log.warning("export: replica %s of stage %d: %s", peer.peer_id, stage, exc)

@@ -4,6 +4,7 @@ from a real swarm over py-libp2p that evaluates better than the untrained model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -18,6 +19,8 @@ import torch
 import trio
 from coordinator_harness import Coordinator, wait_for, write_config
 
+from coordinator.journal import Journal
+from coordinator.membership import LEFT, Membership, Peer
 from node.baseline import evaluate_weights
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
 from node.data import load_dataset
@@ -85,6 +88,8 @@ def test_observer_membership(
             placed = await node.join(c.JoinRequest(join_token=TOKEN, metrics_port=9101))
             assert placed.stage == 0  # placement did not count the observer
 
+            evict = c.JoinRequest(observer=True, join_token=TOKEN)
+            assert await _error_code(node.join(evict)) == "bad_request"  # a live node's key
             grant = await obs.acquire_grant()
             assert grant.lease is None and grant.reason == "observer"
             beat = await obs.heartbeat()
@@ -299,10 +304,35 @@ def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() 
         worker.close()
     assert got.round == 6 and got.peer_id == transports[1].peer_id
     assert got.flat.tolist() == [6.0 * i for i in range(n)]
-    assert seen[0] == (4, 5) and seen[-1] == (n, 6), seen
+    assert seen[0] == (1, 5) and seen[-1] == (n, 6), seen  # the probe asks one element
 
 
 async def _run_transport(t: Libp2pTransport, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     async with t.run():
         task_status.started()
         await trio.sleep_forever()
+
+
+def test_observer_survives_the_store_and_stays_off_the_stages() -> None:
+    """The observer flag is persisted (in the addrs JSON: no schema change), and the
+    per-stage aggregates, placement and rebalancing never see an observer."""
+    obs = Peer(
+        "obs", b"k", 2, [], [], "export", 0.0, None, None, None, True, 0.0, 100.0,
+        observer=True,
+    )  # fmt: skip
+    back = Peer.from_row(obs.row())
+    assert back.observer and back.stage == 2
+    assert not Peer.from_row(dataclasses.replace(obs, observer=False).row()).observer
+    members = [
+        Peer(f"n{i}", b"k", 0, [], [], "cpu", 100.0, None, None, None, False, 0.0, 100.0)
+        for i in range(3)
+    ]
+    view = Membership(
+        n_stages=2, stage_costs=[1.0, 1.0], ttl_s=10.0, journal=Journal(), peers=[back, *members]
+    )
+    assert view.observers == 1 and view.stage_counts() == [3, 0]
+    assert view.place() == 1
+    moved = view.rebalance(0.9, lambda pid: False)
+    assert moved is not None and moved.peer_id != "obs" and view.observers == 1
+    view.remove("obs", LEFT)
+    assert view.observers == 0 and sum(view.stage_counts()) == 3
