@@ -26,6 +26,7 @@ DTYPES: dict[str, Any] = {
 }
 MAX_DIMS = 8
 MAX_DIM = 2**31  # elements along one axis
+MAX_ELEMENTS = 2**31  # elements in a tensor (the product of its non-zero dimensions)
 CODECS = ("raw", "fp16", "int8", "subspace", "subspace_int8")
 
 
@@ -75,6 +76,10 @@ class EncodedTensor(Message):
 def check_shape(shape: list[int], expect: tuple[int | None, ...] | None) -> None:
     if len(shape) > MAX_DIMS or any(type(d) is not int or not 0 <= d <= MAX_DIM for d in shape):
         raise ProtocolError(f"bad shape {shape[:MAX_DIMS]}")
+    # An empty tensor's other dimensions still count: numpy refuses shapes whose non-zero
+    # dimensions multiply past its index range, even with zero elements.
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise ProtocolError(f"shape {shape} has more than {MAX_ELEMENTS} elements")
     if expect is None:
         return
     if len(shape) != len(expect) or any(

@@ -20,6 +20,8 @@ import torch
 from node.diloco import DilocoConfig
 from node.outer_link import OuterConfig, OuterLink
 
+DECLARE_STATE_PERIOD_S = 5.0  # node.outer.process: the averager's declare_state_period
+
 N = 4096  # parameters per replica: small, the tests are about the protocol
 CFG = OuterConfig(
     matchmaking_s=2.0,
@@ -136,12 +138,16 @@ def test_frozen_replica_does_not_hold_the_other_and_is_rebased(
     # A goes on alone: a lone replica still steps
     a.begin_round([p * 0.98 for p in theta0], 100)
     ra2 = a.wait_result(30)
+    round2_at = time.monotonic()
     assert ra2.applied and ra2.round == 2 and ra2.group_size == 1
     assert 0.0 < ra2.eta_r < CFG.diloco.eta  # 100 of 400 target tokens: a smaller step
 
     os.killpg(b.pid, signal.SIGCONT)
     b.wait_result(40)  # whatever its interrupted round produced
     assert b.round < 2
+    # A re-declares its round in the DHT every DECLARE_STATE_PERIOD_S: let two periods pass
+    # since its round 2, so B's DHT (frozen until now) can see it before B's next round.
+    time.sleep(max(0.0, round2_at + 2 * DECLARE_STATE_PERIOD_S - time.monotonic()))
     b.begin_round(wa, 100)
     rb = b.wait_result(40)
     assert rb.rebased, rb  # it saw round 2 in the DHT and adopted it before its own step

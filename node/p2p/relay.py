@@ -236,10 +236,16 @@ class RelaySupport:
                     if not self._connected(relay_id):
                         await self._host.connect(PeerInfo(relay_id, [relay_tcp]))
                     await self.circuit.dial(ma)
-                    log.info("relay: connected to %s through %s", peer_id, relay_ma)
-                    return
                 except Exception as exc:
                     errors.append(f"{ma}: {type(exc).__name__}: {exc}")
+                finally:
+                    # Also when the dial raised or was cancelled (the caller's deadline)
+                    # after the circuit came up: later requests reuse it without a dial.
+                    connected = self._connected(pid)
+                    if connected:
+                        log.info("relay: connected to %s through %s", peer_id, ma)
+                if connected:
+                    return
             raise ConnectionError(f"cannot reach {peer_id} through a relay: {'; '.join(errors)}")
 
 
