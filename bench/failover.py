@@ -388,6 +388,15 @@ class Bench:
             "retried_microbatches": int(retried),
             "failed_requests": len(fails),
             "failed_microbatches": len({(f["lease_id"], f["start"]) for f in fails}),
+            "failures": [  # each failed request via the victim, seconds after the kill
+                {
+                    "node": f["node"],
+                    "microbatch": f"{f['lease_id']}.{f['epoch']}.{f['start']}",
+                    "failed_s": round(f["t"] - t_kill, 3),
+                    "committed_s": round(f["commit_t"] - t_kill, 3),
+                }
+                for f in sorted(fails, key=lambda f: f["t"])
+            ],
             "signal": "audit commit of re-routed micro-batches"
             if fails
             else "no request went to the victim; first commit after the kill",
