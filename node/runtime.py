@@ -118,6 +118,7 @@ class Node:
         self.throughput = 0.0  # measured tokens/s of this stage
         self.checkpoints: StageCheckpointer | None = None  # --checkpoint-dir (node.checkpoint)
         self.state_server: StateServer | None = None  # /agora/state/1 (node.state_server)
+        self._built = trio.Event()  # the stage is built: forwards can be served
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -154,6 +155,10 @@ class Node:
             async with trio.open_nursery() as nursery:
                 # Heartbeats start first: building the stage may take longer than the TTL.
                 nursery.start_soon(self._heartbeat_loop)
+                # Serve forwards from now on: peers see this node in the membership view
+                # before its stage is built, and a forward that waits for the build is
+                # better than a refused protocol (which bans this node for a while).
+                self.transport.set_handler(FORWARD_PROTOCOL, self._serve_forward)
                 await self._build_stage()
                 try:
                     await self._refresh_membership()
@@ -356,7 +361,7 @@ class Node:
         self.throughput = await self.worker.run(
             throughput_probe, self.compute, self.cfg.micro_batch, self.cfg.seq_len
         )
-        self.transport.set_handler(FORWARD_PROTOCOL, self._serve_forward)
+        self._built.set()
         p2p = getattr(self.transport, "cfg", None)  # Libp2pTransport's P2PConfig
         self.state_server = StateServer(
             self.worker,
@@ -655,6 +660,8 @@ class Node:
     async def _serve_forward(self, peer_id: str, msg: Message) -> Message:
         if not isinstance(msg, Forward):
             raise ProtocolError(f"expected a forward message, got {type(msg).__name__}")
+        with trio.move_on_after(max(0.0, msg.deadline - time.time())):
+            await self._built.wait()  # a forward that arrived while the stage was built
         if self.compute is None or self.stage == 0:
             raise ProtocolError("this peer serves stage 0, which takes no forward input")
         rows = msg.tokens.to_numpy(expect_dtype="uint8", expect_shape=(None, None))
