@@ -64,7 +64,9 @@ class CoordinatorConfig:
     # has at most this much less TTL left than its last heartbeat reply said.
     expiry_slack_s: float | None = None
     max_leases_per_peer: int = 2  # active leases one peer may hold
-    grant_tokens: int | None = None  # cap on a granted range (None = rest of the shard)
+    # cap on a granted range (tokens; 0 = the rest of the shard): small grants from
+    # shards in round robin spread training over the corpus (docs/outer-loop.md)
+    grant_tokens: int | None = 8192
     min_grant_tokens: int = 1024  # smallest range worth granting before a deadline
     deadline_margin_s: float = 60.0  # seconds kept free before a node's deadline
     rebalance_ratio: float = 0.5  # move a peer when a stage's rate < ratio * strongest's
@@ -129,7 +131,7 @@ class CoordinatorConfig:
         )
         need(self.shard_tokens >= 1 and self.heldout_every >= 2, "shard_tokens/heldout_every")
         need(self.max_leases_per_peer >= 1, "max_leases_per_peer must be >= 1")
-        need(self.grant_tokens is None or self.grant_tokens >= 1, "grant_tokens must be >= 1")
+        need(self.grant_tokens is None or self.grant_tokens >= 0, "grant_tokens must be >= 0")
         need(0 < self.rebalance_ratio <= 1, "rebalance_ratio must be in (0, 1]")
         need(self.max_frame_bytes >= 4096, "max_frame_bytes must be >= 4096")
         need(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 from collections.abc import Iterable
 from typing import Any
 
@@ -102,8 +103,10 @@ class LeaseBook:
         next_lease_id: int = 1,
         leases: Iterable[Lease] = (),
         expiry_slack_s: float = 0.0,
+        order_seed: int = 0,
     ) -> None:
         self.journal = journal
+        self.order_seed = order_seed  # seeds each data epoch's shard order
         self.ttl_s = ttl_s  # seconds
         self.expiry_slack_s = expiry_slack_s  # seconds the journaled expiry may lag
         self.data_epoch = data_epoch
@@ -307,8 +310,10 @@ class LeaseBook:
         self._audit(now, "complete", lease, lease.committed, lease.limit)
         shard.lease_id = 0
         if shard.committed < shard.tokens:
+            # Round robin: the shard's next range waits behind the other shards, so that
+            # small grants spread a run over the whole corpus, not along one shard.
             shard.state = PENDING
-            self._queue.appendleft(shard.shard_id)
+            self._queue.append(shard.shard_id)
             self._touch(shard, lease)
             return False
         shard.state = DONE
@@ -346,8 +351,14 @@ class LeaseBook:
         return None
 
     def _rebuild_queue(self) -> None:
+        """Pending shards, resumed ones first, each group in the data epoch's seeded
+        order: the corpus is sorted by path, so shard order is topic order; shuffled, a
+        short run or a few rounds see the whole corpus (docs/outer-loop.md, data order)."""
+        ids = sorted(self.shards)
+        random.Random(f"{self.order_seed}/{self.data_epoch}").shuffle(ids)
+        rank = {shard_id: i for i, shard_id in enumerate(ids)}
         pending = [s for s in self.shards.values() if s.state == PENDING]
-        pending.sort(key=lambda s: (s.committed == 0, s.shard_id))  # resumed shards first
+        pending.sort(key=lambda s: (s.committed == 0, rank[s.shard_id]))
         self._queue = collections.deque(s.shard_id for s in pending)
 
     def _remember(self, lease: Lease) -> None:
@@ -399,6 +410,7 @@ def restore_book(
     journal: Journal,
     ttl_s: float,
     expiry_slack_s: float = 0.0,
+    order_seed: int = 0,
 ) -> LeaseBook:
     """Rebuild the book from stored rows (see `coordinator.store`)."""
     return LeaseBook(
@@ -409,4 +421,5 @@ def restore_book(
         next_lease_id=int(meta.get("next_lease_id", "1")),
         leases=[Lease(*r) for r in lease_rows],
         expiry_slack_s=expiry_slack_s,
+        order_seed=order_seed,
     )

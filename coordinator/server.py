@@ -136,11 +136,16 @@ def build_state(
             journal=journal,
             ttl_s=cfg.lease_ttl_s,
             expiry_slack_s=cfg.expiry_slack(),
+            order_seed=cfg.seed,
         )
     else:
         shards = [Shard(shard_id=s.shard_id, tokens=s.tokens) for s in manifest.train]
         book = LeaseBook(
-            shards, journal=journal, ttl_s=cfg.lease_ttl_s, expiry_slack_s=cfg.expiry_slack()
+            shards,
+            journal=journal,
+            ttl_s=cfg.lease_ttl_s,
+            expiry_slack_s=cfg.expiry_slack(),
+            order_seed=cfg.seed,
         )
         for s in book.shards.values():
             journal.shards[s.shard_id] = s

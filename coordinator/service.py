@@ -355,7 +355,7 @@ class Service:
             left_s = peer.deadline - now - self.cfg.deadline_margin_s
             budget = int(max(0.0, left_s) * peer.throughput)
         cap = req.max_tokens
-        if self.cfg.grant_tokens is not None:
+        if self.cfg.grant_tokens:  # 0 or None: the rest of the shard
             cap = self.cfg.grant_tokens if cap is None else min(cap, self.cfg.grant_tokens)
         lease, reason = self.book.acquire(
             peer.peer_id,

@@ -34,6 +34,10 @@ class NodeConfig:
     micro_batch: int = 8  # sequences per micro-batch
     seq_len: int = 128  # tokens per sequence
     in_flight: int = 4  # micro-batches stage 0 keeps in the pipeline at once
+    # leases stage 0 trains at once, their windows mixed into micro-batches (count)
+    lease_pool: int = 8
+    # draw a micro-batch's windows at random from the open leases (else in lease order)
+    shuffle_windows: bool = True
     inner_batch_tokens: int = 4096  # tokens per inner optimizer step (per replica)
     lr: float = 3e-3  # inner AdamW peak learning rate
     warmup_steps: int = 20  # inner steps of linear learning-rate warm-up
@@ -68,7 +72,14 @@ class NodeConfig:
             raise ValueError(f"stage must be >= 0, got {self.stage}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("micro_batch", "seq_len", "in_flight", "inner_batch_tokens", "max_attempts"):
+        for name in (
+            "micro_batch",
+            "seq_len",
+            "in_flight",
+            "inner_batch_tokens",
+            "max_attempts",
+            "lease_pool",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.activation_cache < self.in_flight:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -82,6 +83,15 @@ class NodeStats:
     @property
     def loss(self) -> float | None:
         return sum(self.losses) / len(self.losses) if self.losses else None
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One training sequence of a leased shard: seq_len + 1 bytes from `start`."""
+
+    lease: LeaseInfo
+    shard: bytes  # the whole shard (shared by its windows)
+    start: int  # token offset in the shard
 
 
 class Node:
@@ -453,94 +463,109 @@ class Node:
     # --- stage 0: the driver ---------------------------------------------------------------
 
     async def _drive(self) -> None:
-        while not self._draining.is_set():
-            if (
-                self.cfg.max_tokens is not None
-                and self.stats.tokens_committed >= self.cfg.max_tokens
-            ):
-                log.info("node: reached max_tokens=%d; draining", self.cfg.max_tokens)
-                self.drain()
-                break
-            try:
-                grant = await self.client.acquire_grant()
-            except (CoordinatorError, CoordinatorUnavailable) as exc:
-                log.warning("node: lease request failed: %s", exc)
-                await trio.sleep(IDLE_WAIT_S)
-                continue
-            if grant.lease is None:
-                log.debug("node: no lease granted (%s)", grant.reason)
-                with trio.move_on_after(IDLE_WAIT_S * 4):
-                    await self._draining.wait()
-                continue
-            await self._train_lease(grant.lease)
+        """Stage 0: keep `lease_pool` leases open and cut micro-batches from their windows,
+        mixed (`shuffle_windows`) so one inner step sees many places of the corpus, with
+        `in_flight` micro-batches in the pipeline. A lease commits once its windows are done
+        (the contiguous prefix of finished windows, so in order it commits as it goes)."""
+        pool: list[Window] = []  # windows of open leases not yet in a micro-batch
+        rng = random.Random(self.transport.peer_id)
+        slots = trio.Semaphore(self.cfg.in_flight)
+        no_grant_until = 0.0  # trio time before which asking for a lease is pointless
+        async with trio.open_nursery() as nursery:
+            while not self._draining.is_set():
+                if (
+                    self.cfg.max_tokens is not None
+                    and self.stats.tokens_committed >= self.cfg.max_tokens
+                ):
+                    log.info("node: reached max_tokens=%d; draining", self.cfg.max_tokens)
+                    self.drain()
+                    break
+                pool[:] = [w for w in pool if w.lease.lease_id not in self._fenced]
+                open_leases = len({w.lease.lease_id for w in pool})
+                if open_leases < self.cfg.lease_pool and trio.current_time() >= no_grant_until:
+                    lease = await self._acquire()
+                    if lease is not None:
+                        pool.extend(await self._open_lease(lease))
+                        continue
+                    no_grant_until = trio.current_time() + IDLE_WAIT_S * 4
+                if not pool:
+                    with trio.move_on_after(IDLE_WAIT_S * 4):
+                        await self._draining.wait()
+                    continue
+                await slots.acquire()
+                take = min(self.cfg.micro_batch, len(pool))
+                shuffle = self.cfg.shuffle_windows
+                batch = [pool.pop(rng.randrange(len(pool)) if shuffle else 0) for _ in range(take)]
+                nursery.start_soon(self._microbatch, batch, slots)
+            # Draining: in-flight micro-batches finish (or give up); the windows still in
+            # the pool stay uncommitted, and their leases are released at the commit point.
+
+    async def _acquire(self) -> LeaseInfo | None:
+        try:
+            grant = await self.client.acquire_grant()
+        except (CoordinatorError, CoordinatorUnavailable) as exc:
+            log.warning("node: lease request failed: %s", exc)
+            return None
+        if grant.lease is None:
+            log.debug("node: no lease granted (%s)", grant.reason)
+        return grant.lease
 
     async def _shard(self, shard_id: int) -> bytes:
         if shard_id not in self._shards:
             data = await self.client.fetch_shard(shard_id)  # sha256-checked
-            if len(self._shards) >= 4:
+            if len(self._shards) >= max(4, 2 * self.cfg.lease_pool):
                 self._shards.pop(next(iter(self._shards)))
             self._shards[shard_id] = data
         return self._shards[shard_id]
 
-    async def _train_lease(self, lease: LeaseInfo) -> None:
+    async def _open_lease(self, lease: LeaseInfo) -> list[Window]:
+        """Track a granted lease; its windows (seq_len + 1 bytes every seq_len tokens)."""
         self.leases[lease.lease_id] = lease
         shard = await self._shard(lease.shard_id)
         progress = LeaseProgress(committed=lease.committed, end=lease.limit)
         self._progress[lease.lease_id] = progress
-        mb_tokens = self.cfg.micro_batch * self.cfg.seq_len
-        slots = trio.Semaphore(self.cfg.in_flight)
+        t = self.cfg.seq_len
+        starts = [s for s in range(lease.committed, lease.limit, t) if s + t + 1 <= len(shard)]
+        tail = starts[-1] + t if starts else lease.committed
+        if tail < lease.limit:  # too short for a window (the shard's end): nothing to train
+            progress.finish(tail, lease.limit)
         log.info(
             "node: training lease %d (shard %d, tokens %d..%d, epoch %d)",
             lease.lease_id, lease.shard_id, lease.committed, lease.limit, lease.epoch,
         )  # fmt: skip
-        async with trio.open_nursery() as nursery:
-            for start in range(lease.committed, lease.limit, mb_tokens):
-                if self._draining.is_set() or lease.lease_id in self._fenced:
-                    break
-                await slots.acquire()
-                stop = min(start + mb_tokens, lease.limit)
-                nursery.start_soon(self._microbatch, lease, shard, start, stop, progress, slots)
-        # Commits happen per micro-batch, or when an outer round covering them applies.
-        self._fenced.discard(lease.lease_id)
+        return [Window(lease, shard, s) for s in starts]
 
-    def _rows(self, shard: bytes, start: int, stop: int) -> np.ndarray:
-        """Sequences of seq_len + 1 bytes starting every seq_len tokens in [start, stop)."""
-        t = self.cfg.seq_len
-        starts = [s for s in range(start, stop, t) if s + t + 1 <= len(shard)]
-        if not starts:
-            return np.zeros((0, t + 1), dtype=np.uint8)
-        buf = np.frombuffer(shard, dtype=np.uint8)
-        return np.stack([buf[s : s + t + 1] for s in starts])
-
-    async def _microbatch(
-        self,
-        lease: LeaseInfo,
-        shard: bytes,
-        start: int,
-        stop: int,
-        progress: LeaseProgress,
-        slots: trio.Semaphore,
-    ) -> None:
+    async def _microbatch(self, batch: list[Window], slots: trio.Semaphore) -> None:
         try:
-            rows = self._rows(shard, start, stop)
-            mb_id = f"{lease.lease_id}.{lease.epoch}.{start}"
-            if len(rows):
-                loss = await self._through_pipeline(mb_id, rows, lease)
-                if loss is None:  # fenced or draining: not finished, not committed
-                    return
-                self.stats.losses.append(loss)
-                metrics.LOSS.set(self.stats.loss or loss)  # mean of the last 32
+            t = self.cfg.seq_len
+            rows = np.stack(
+                [np.frombuffer(w.shard, dtype=np.uint8)[w.start : w.start + t + 1] for w in batch]
+            )
+            first = batch[0]
+            mb_id = f"{first.lease.lease_id}.{first.lease.epoch}.{first.start}"
+            leases = {w.lease.lease_id: w.lease for w in batch}
+            loss = await self._through_pipeline(mb_id, rows, list(leases.values()))
+            if loss is None:  # fenced or draining: not finished, not committed
+                return
+            self.stats.losses.append(loss)
+            metrics.LOSS.set(self.stats.loss or loss)  # mean of the last 32
             metrics.MICROBATCHES.labels("done").inc()
-            progress.finish(start, stop)
-            # No outer loop: a finished micro-batch is committed. With one, only the round
-            # that covers it commits it (also while the outer loop moves or restarts).
+            for w in batch:
+                progress = self._progress.get(w.lease.lease_id)
+                if progress is not None and w.lease.lease_id not in self._fenced:
+                    progress.finish(w.start, min(w.start + t, w.lease.limit))
+            # No outer loop: finished windows are committed. With one, only the round that
+            # covers them commits them (also while the outer loop moves or restarts).
             if self.cfg.outer_every_steps == 0:
-                await self._commit(lease, progress, upto=progress.commit_point())
+                for lease in leases.values():
+                    progress = self._progress.get(lease.lease_id)
+                    if progress is not None:
+                        await self._commit(lease, progress, upto=progress.commit_point())
         finally:
             slots.release()
 
     async def _through_pipeline(
-        self, mb_id: str, rows: np.ndarray, lease: LeaseInfo
+        self, mb_id: str, rows: np.ndarray, leases: list[LeaseInfo]
     ) -> float | None:
         """Run one micro-batch through the downstream stages until it returns once.
 
@@ -552,7 +577,7 @@ class Node:
         backoff = IDLE_WAIT_S
         tried: set[str] = set()
         failures = 0
-        while lease.lease_id not in self._fenced:
+        while not all(lease.lease_id in self._fenced for lease in leases):
             if self._draining.is_set() and (
                 failures >= self.cfg.max_attempts or trio.current_time() > self._drain_deadline
             ):

@@ -139,11 +139,12 @@ def test_deadline_aware_granting(tmp_path: Path, child_env: dict[str, str]) -> N
             assert 400 <= span <= 500 and part.limit < part.shard_tokens == SHARD_TOKENS
             done = await long_.commit(part, part.committed, part.limit)
             assert done.lease.state == "complete" and not done.shard_done
-            # no deadline: the rest of a shard; the partial shard resumes first
+            # no deadline: a whole shard (below grant_tokens); the partial shard's rest
+            # waits behind the untouched shards (round robin)
             await free.join(c.JoinRequest(throughput=rate))
             rest = await free.acquire()
-            assert rest is not None and rest.shard_id == part.shard_id
-            assert (rest.committed, rest.limit) == (part.limit, part.shard_tokens)
+            assert rest is not None and rest.shard_id != part.shard_id
+            assert (rest.committed, rest.limit) == (0, SHARD_TOKENS)
 
     trio.run(main)
     assert coord.stop() == 0
