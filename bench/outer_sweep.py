@@ -627,10 +627,12 @@ class _Bar:
         if self.bar is not None:
             self.bar.update(self.rounds, completed=done)
 
-    def done_run(self, note: str, extra_total: int = 0) -> None:
+    def done_run(self, note: str, extra_total: int = 0, line: str = "") -> None:
         if self.bar is not None:
             task = self.bar.tasks[self.runs]
             self.bar.update(self.runs, advance=1, total=(task.total or 0) + extra_total, note=note)
+            if line:  # one line per finished run, also when the output is not a terminal
+                self.bar.console.print(line, highlight=False, soft_wrap=True)
 
     def stop(self) -> None:
         if self.bar is not None:
@@ -678,7 +680,12 @@ def main(argv: list[str]) -> int:
             bar.start_run(f"central, {tokens:,} tokens", 1)
             centrals[tokens] = central(common, dataset, tokens)
             bar.on_round(1)
-            bar.done_run(f"central {centrals[tokens][0]:.4f}", extra_total=extra)
+            loss, _, secs = centrals[tokens]
+            bar.done_run(
+                f"central {loss:.4f}",
+                extra_total=extra,
+                line=f"central, {tokens:,} tokens: eval {loss:.4f} ({secs:.0f} s)",
+            )
         return centrals[tokens][0]
 
     def run_all(settings: list[Setting]) -> list[dict[str, Any]]:
@@ -692,7 +699,11 @@ def main(argv: list[str]) -> int:
             bar.start_run(_label(s), sim.rounds)
             res = sim.run(bar.on_round)
             row = _row(s, res, ref, common.kill_at)
-            bar.done_run(f"last: {row['eval_loss']:.4f} ({row['gap_pct']:+.1f} %)")
+            result = f"eval {row['eval_loss']:.4f} ({row['gap_pct']:+.2f} %)"
+            bar.done_run(
+                f"last: {result}",
+                line=f"{s.stage}: {_label(s)}: {result}, {row['wall_s']:.0f} s",
+            )
             rows.append(row)
             done[s.key()] = row
             out.append(row)
