@@ -71,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
         "--inner-batch-tokens", type=int, default=None,
         help="tokens per inner step per replica (default: central batch / replicas)",
     )  # fmt: skip
-    p.add_argument("--outer-every-steps", type=int, default=10, help="inner steps per round")
+    p.add_argument(
+        "--outer-every-steps", type=int, default=25, help="inner steps per round (default 25)"
+    )
     p.add_argument("--outer-compression", default="uint8", help="none | fp16 | uint8")
     p.add_argument(
         "--participation-power", type=float, default=None,

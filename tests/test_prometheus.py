@@ -420,18 +420,28 @@ def test_series_stay_bounded_as_1000_peers_come_and_go(coordinator: Coordinator)
     try:
         for batch in range(10):  # 10 x 100 peers: join (+ heartbeat), then leave or lapse
             keys = [NodeKey.generate() for _ in range(100)]
+
+            def keep_alive(joined: list[NodeKey]) -> None:
+                # The TTL is 2 s: on a loaded machine 100 joins take longer than that.
+                for k in joined:
+                    reply = raw.call(k, HeartbeatRequest())
+                    assert reply.TYPE == "heartbeat.reply", reply
+
             for i, key in enumerate(keys):
                 reply = raw.call(key, JoinRequest(metrics_port=20000 + batch * 100 + i))
                 assert reply.TYPE == "join.reply", reply
                 seen_ids.append(key.peer_id)
-            wait_for(
-                "100 peers in the file SD",
-                lambda: (
-                    coordinator.sd_file.exists()
-                    and sum(len(g["targets"]) for g in json.loads(coordinator.sd_file.read_text()))
+                if i % 20 == 19:
+                    keep_alive(keys[: i + 1])
+
+            def listed(keys: list[NodeKey] = keys) -> bool:
+                keep_alive(keys)
+                return coordinator.sd_file.exists() and (
+                    sum(len(g["targets"]) for g in json.loads(coordinator.sd_file.read_text()))
                     == 100
-                ),
-            )
+                )
+
+            wait_for("100 peers in the file SD", listed)
             for i, key in enumerate(keys):
                 if batch % 2 == 0 or i % 2 == 0:  # the rest lapse past the 2 s TTL
                     heartbeat_and_leave(raw, key)
