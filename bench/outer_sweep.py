@@ -41,6 +41,13 @@ one process trains the whole model (no pipeline stages, no boundary codec).
 
 The central reference is `node.baseline.train` for the same total tokens (the
 replicas' tokens, lost rounds included), same seed and held-out set, in the same process.
+
+`--grid` runs eta x mu x H without churn, then p under churn at the best of those, then
+data x inner schedule at the best (GRID_DEFAULTS; flags restrict each axis). The default
+204,800 tokens is a whole number of rounds at both H = 10 and H = 25 (rounds of
+2 x H x 1,024 tokens), so every run of the grid is compared with one central run; the
+default grid (18 runs and the central one) took 12.6 minutes on a shared 2-core machine.
+Results and what they say: docs/outer-loop.md, "Participation rule".
 """
 
 from __future__ import annotations
