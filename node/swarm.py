@@ -16,8 +16,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -179,12 +181,19 @@ class LocalSwarm:
                 out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
         return out
 
-    def wait_for(self, predicate: object, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
+    def wait_for(
+        self, predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.5
+    ) -> Any:
+        """Poll `predicate` until it returns something truthy, and return that; past
+        `timeout_s` raise TimeoutError naming `what`, with every process's log tail."""
         deadline = time.monotonic() + timeout_s
-        while not predicate():  # type: ignore[operator]
+        while not (value := predicate()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+                procs = [*self.nodes.values(), *([self.coordinator] if self.coordinator else [])]
+                tails = "\n".join(f"--- {p.name}:\n{p.tail(15)}" for p in procs)
+                raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tails}")
             time.sleep(poll_s)
+        return value
 
     def stop_node(self, name: str, timeout_s: float = 60.0) -> int:
         """Ctrl-C a node and wait for its clean exit; SIGKILL past the timeout."""

@@ -8,7 +8,7 @@ import json
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +125,9 @@ def test_baseline_eval_only_evaluates_the_export(tmp_path: Path) -> None:
 # --- end to end: a real swarm writes the checkpoints ----------------------------------------
 
 
-def _poll(pred: Any, timeout_s: float, what: str, swarm: LocalSwarm) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {n}:\n{p.tail(12)}" for n, p in swarm.nodes.items())
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tails}")
-        time.sleep(0.5)
+def _poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
+    """`LocalSwarm.wait_for`: poll until truthy; on timeout fail with the log tails."""
+    return swarm.wait_for(predicate, timeout_s, what)
 
 
 @pytest.mark.timeout(900)  # five interpreters importing torch + hivemind on a loaded 2-core box

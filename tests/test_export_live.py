@@ -9,8 +9,8 @@ import json
 import re
 import subprocess
 import sys
-import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,13 +145,9 @@ def test_observer_on_an_allowlist(tmp_path: Path, child_env: dict[str, str]) -> 
 # --- end to end: a live export from a real swarm ---------------------------------------------
 
 
-def _poll(pred: Any, timeout_s: float, what: str, swarm: LocalSwarm) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {n}:\n{p.tail(12)}" for n, p in swarm.nodes.items())
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tails}")
-        time.sleep(0.5)
+def _poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
+    """`LocalSwarm.wait_for`: poll until truthy; on timeout fail with the log tails."""
+    return swarm.wait_for(predicate, timeout_s, what)
 
 
 def _outer_steps(swarm: LocalSwarm, name: str) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -117,16 +116,8 @@ def test_request_reaches_an_outbound_only_peer_through_the_relay() -> None:
 
 
 def poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            procs = [*swarm.nodes.values(), *([swarm.coordinator] if swarm.coordinator else [])]
-            tails = "\n".join(f"--- {p.name}:\n{p.tail(15)}" for p in procs)
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tails}")
-        time.sleep(0.5)
+    """`LocalSwarm.wait_for`: poll until truthy; on timeout fail with the log tails."""
+    return swarm.wait_for(predicate, timeout_s, what)
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -42,16 +41,8 @@ TRAIN_S = 120.0  # seconds for the loss to fall / tokens to rise
 
 
 def poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
-    """Poll `predicate` until truthy; on timeout fail with the node log tails."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {n}:\n{p.tail(15)}" for n, p in swarm.nodes.items())
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tails}")
-        time.sleep(0.5)
+    """`LocalSwarm.wait_for`: poll until truthy; on timeout fail with the log tails."""
+    return swarm.wait_for(predicate, timeout_s, what)
 
 
 def committed(swarm: LocalSwarm) -> int:
