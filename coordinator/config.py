@@ -63,7 +63,9 @@ class CoordinatorConfig:
     # quarter of lease_ttl_s; 0: every renewal). After a SIGKILL restart a peer or lease
     # has at most this much less TTL left than its last heartbeat reply said.
     expiry_slack_s: float | None = None
-    max_leases_per_peer: int = 2  # active leases one peer may hold
+    # active leases one peer may hold (count): a stage-0 node keeps lease_pool (8) open
+    # plus the finished ones that wait for their outer round to commit them
+    max_leases_per_peer: int = 64
     # cap on a granted range (tokens; 0 = the rest of the shard): small grants from
     # shards in round robin spread training over the corpus (docs/outer-loop.md)
     grant_tokens: int | None = 8192

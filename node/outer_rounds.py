@@ -60,6 +60,7 @@ class OuterRounds:
         # One tick at a time: the outer loop and a drain both tick, and a round must not
         # begin while the last one's merge and `on_applied` (commits, checkpoint) run.
         self._tick_lock = trio.Lock()
+        self._early = False  # start the next round as soon as any inner step was taken
 
     @classmethod
     async def start(
@@ -175,9 +176,16 @@ class OuterRounds:
         async with self._tick_lock:
             await self._tick()
 
+    def request_early_round(self) -> None:
+        """Start the next round before `every_steps` (e.g. stage 0 is out of leases while
+        trained work waits for a round to commit it)."""
+        self._early = True
+
     async def _tick(self) -> None:
         if self._in_flight is None:
-            if self.compute.inner_steps - self._steps_at_last >= self.every_steps:
+            steps = self.compute.inner_steps - self._steps_at_last
+            if steps >= self.every_steps or (self._early and steps > 0):
+                self._early = False
                 await self.begin()
             return
         try:

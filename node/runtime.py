@@ -488,6 +488,10 @@ class Node:
                         pool.extend(await self._open_lease(lease))
                         continue
                     no_grant_until = trio.current_time() + IDLE_WAIT_S * 4
+                    if not pool and self.outer is not None:
+                        # Out of work: trained windows may be waiting for a round (and
+                        # the coordinator's per-peer lease cap for their commit).
+                        self.outer.request_early_round()
                 if not pool:
                     with trio.move_on_after(IDLE_WAIT_S * 4):
                         await self._draining.wait()
