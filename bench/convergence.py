@@ -303,10 +303,15 @@ def main(argv: list[str]) -> int:
             if churn:
                 out["churn_events"] = r.events
         if "central" in runs:
-            # Equal tokens: commits land a whole outer round at a time and a drain adds a
-            # last round, so the swarm overshoots --tokens; the central run trains as many
-            # tokens as the fault-free swarm committed (the churn run's count is reported).
-            tokens = int(out.get("tokens_swarm", args.tokens))
+            # Equal tokens: the swarm overshoots --tokens (commits land a round at a time,
+            # the drain adds a round), and it may train windows it never commits (leases
+            # released at drain, work of killed peers). The central run trains as many
+            # tokens as the fault-free swarm's stage 0 trained, never fewer than it
+            # committed (the churn run's counts are reported).
+            tokens = max(
+                int(out.get("tokens_swarm", args.tokens)),
+                int(out.get("tokens_trained_swarm", 0)),
+            )
             steps = max(1, round(tokens / central_tokens))
             _say(args.quiet, f"central: {steps} steps of {central_tokens} tokens")
             cfg = TrainConfig(

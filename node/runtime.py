@@ -472,17 +472,25 @@ class Node:
         slots = trio.Semaphore(self.cfg.in_flight)
         no_grant_until = 0.0  # trio time before which asking for a lease is pointless
         async with trio.open_nursery() as nursery:
-            while not self._draining.is_set():
-                if (
+            while True:
+                pool[:] = [w for w in pool if w.lease.lease_id not in self._fenced]
+                if self._draining.is_set():
+                    # Finish the open leases (so their windows commit, not go to waste)
+                    # within half the drain budget; what is left is released.
+                    half = self._drain_deadline - self.cfg.drain_timeout_s / 2
+                    if not pool or trio.current_time() > half:
+                        break
+                elif (
                     self.cfg.max_tokens is not None
                     and self.stats.tokens_committed >= self.cfg.max_tokens
                 ):
                     log.info("node: reached max_tokens=%d; draining", self.cfg.max_tokens)
                     self.drain()
-                    break
-                pool[:] = [w for w in pool if w.lease.lease_id not in self._fenced]
-                open_leases = len({w.lease.lease_id for w in pool})
-                if open_leases < self.cfg.lease_pool and trio.current_time() >= no_grant_until:
+                    continue
+                elif (
+                    len({w.lease.lease_id for w in pool}) < self.cfg.lease_pool
+                    and trio.current_time() >= no_grant_until
+                ):
                     lease = await self._acquire()
                     if lease is not None:
                         pool.extend(await self._open_lease(lease))
@@ -501,8 +509,8 @@ class Node:
                 shuffle = self.cfg.shuffle_windows
                 batch = [pool.pop(rng.randrange(len(pool)) if shuffle else 0) for _ in range(take)]
                 nursery.start_soon(self._microbatch, batch, slots)
-            # Draining: in-flight micro-batches finish (or give up); the windows still in
-            # the pool stay uncommitted, and their leases are released at the commit point.
+            # In-flight micro-batches finish (or give up); windows never trained stay
+            # uncommitted, and their leases are released at the commit point.
 
     async def _acquire(self) -> LeaseInfo | None:
         try:
