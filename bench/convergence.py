@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from node.swarm import LocalSwarm, child_env
 STAGES = 2
 REPLICAS = 2
 CODEC = "subspace_int8"
+_TRAINED = re.compile(r"left the run \((\d+) tokens trained")  # a node's exit line
 SCRAPED = (
     "agora_node_outer_bytes_total",
     "agora_node_tokens_total",
@@ -232,9 +234,7 @@ def run_swarm(
     return SwarmRun(
         eval_loss=loss,
         tokens_committed=committed,
-        tokens_trained=int(
-            sum(m["agora_node_tokens_total"] for n, m in last.items() if n[1] == "0")
-        ),
+        tokens_trained=_stage0_trained(swarm, last),
         outer_bytes=sum(m["agora_node_outer_bytes_total"] for m in last.values()),
         inner_steps=steps,
         outer_rounds=sum(m["agora_node_outer_steps_total"] for m in last.values()),
@@ -345,6 +345,18 @@ def main(argv: list[str]) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def _stage0_trained(swarm: LocalSwarm, last: dict[str, dict[str, float]]) -> int:
+    """Tokens the stage-0 nodes trained: from each one's exit line (which counts the
+    windows a drain trains after the last scrape), else its last scraped counter."""
+    total = 0
+    for name, proc in swarm.nodes.items():
+        if name[1] != "0":
+            continue
+        m = _TRAINED.search(proc.log.read_text(errors="replace"))
+        total += int(m.group(1)) if m else int(last.get(name, {}).get("agora_node_tokens_total", 0))
+    return total
 
 
 def _table(out: dict[str, Any]) -> None:

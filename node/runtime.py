@@ -79,6 +79,7 @@ class NodeStats:
 
     losses: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     tokens_committed: int = 0  # lease tokens committed by this node
+    tokens_trained: int = 0  # tokens this node's stage trained on (forward + backward)
 
     @property
     def loss(self) -> float | None:
@@ -392,7 +393,10 @@ class Node:
                 await self._release(lease)
             try:
                 await self.client.leave()
-                log.info("node: left the run")
+                log.info(
+                    "node: left the run (%d tokens trained, %d committed)",
+                    self.stats.tokens_trained, self.stats.tokens_committed,
+                )  # fmt: skip
             except (CoordinatorError, CoordinatorUnavailable) as exc:
                 log.warning("node: could not say goodbye to the coordinator: %s", exc)
 
@@ -604,7 +608,7 @@ class Node:
                 if reply is not None:
                     await self.worker.run(self.compute.backward, mb_id, rows, None, reply.grad)
                     self._account_bytes()
-                    metrics.TOKENS.inc(rows.shape[0] * (rows.shape[1] - 1))
+                    self._count_tokens(rows)
                     return reply.loss
                 await self.worker.run(self.compute.drop, mb_id)
                 metrics.MICROBATCHES.labels("retried").inc()
@@ -708,7 +712,7 @@ class Node:
             grad, loss = await self.worker.run(self.compute.forward, msg.mb_id, rows, msg.hidden)  # type: ignore[misc]
             assert grad is not None
             self._account_bytes()
-            metrics.TOKENS.inc(rows.shape[0] * (rows.shape[1] - 1))
+            self._count_tokens(rows)
             return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=rows.size - rows.shape[0])
         hidden = await self.worker.run(self.compute.forward, msg.mb_id, rows, msg.hidden)
         assert isinstance(hidden, EncodedTensor)
@@ -733,6 +737,11 @@ class Node:
     def _max_seq(self) -> int:
         assert self.compute is not None
         return self.compute.model.config.max_seq_len
+
+    def _count_tokens(self, rows: np.ndarray) -> None:
+        n = rows.shape[0] * (rows.shape[1] - 1)
+        self.stats.tokens_trained += n
+        metrics.TOKENS.inc(n)
 
     def _account_bytes(self) -> None:
         """Move the codecs' byte counts into the Prometheus counters."""
