@@ -145,13 +145,22 @@ def test_frozen_replica_does_not_hold_the_other_and_is_rebased(
     os.killpg(b.pid, signal.SIGCONT)
     b.wait_result(40)  # whatever its interrupted round produced
     assert b.round < 2
-    # A re-declares its round in the DHT every DECLARE_STATE_PERIOD_S: let two periods pass
-    # since its round 2, so B's DHT (frozen until now) can see it before B's next round.
+    # B comes back: its next round with A puts both in one group, where B's state (round
+    # < 2, not the group's canonical one) is replaced by A's before it steps again. (The
+    # other path, B seeing A's newer round in the DHT before it matchmakes, can miss right
+    # after a freeze; then B would step alone once, level with A, and the next group
+    # round still reconciles them.)
     time.sleep(max(0.0, round2_at + 2 * DECLARE_STATE_PERIOD_S - time.monotonic()))
+    a.begin_round([p * 0.97 for p in theta0], 100)
     b.begin_round(wa, 100)
-    rb = b.wait_result(40)
-    assert rb.rebased, rb  # it saw round 2 in the DHT and adopted it before its own step
-    assert rb.round == 3, rb
+    ra3, rb = a.wait_result(40), b.wait_result(40)
+    assert rb.rebased, rb  # B adopted the stage's newest state
+    assert ra3.round == 3 and rb.round >= 2, (ra3, rb)
+    # Both now hold one lineage: their next group round ends bitwise identical.
+    a.begin_round([p * 0.96 for p in theta0], 100)
+    b.begin_round([p * 0.96 for p in theta0], 100)
+    ra4, rb4 = a.wait_result(40), b.wait_result(40)
+    assert ra4.digest == rb4.digest and ra4.round == rb4.round, (ra4, rb4)
     print(f"frozen-peer bound {bound:.1f}s; A waited {ra.seconds:.2f}s", file=sys.stderr)
 
 
