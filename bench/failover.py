@@ -90,6 +90,9 @@ TIMES = (  # (JSON key, table label: seconds from the kill to ...)
 )
 
 
+REPLACE_WAIT_S = 45.0  # seconds a replacement may take to get work before it is noted idle
+
+
 class Interrupted(Exception):
     """A node we did not kill exited: the measurement cannot go on."""
 
@@ -217,6 +220,7 @@ class Bench:
             node_args=["--config", str(node_toml)],
         )  # fmt: skip
         self.killed: set[str] = set()
+        self.idle_replacements: list[str] = []  # replacements that got no work in time
         self.serial = 0
         self.names: dict[int, list[str]] = {0: [], 1: []}
 
@@ -287,7 +291,12 @@ class Bench:
     def replace(self, stage: int) -> None:
         fresh = self.add(stage)
         self.say(f"started {fresh} on stage {stage}; waiting until it trains")
-        self.wait_training([fresh], self.args.start_timeout)
+        try:  # a joiner trains within seconds when it gets traffic (docs/reliability.md)
+            self.wait_training([fresh], min(self.args.start_timeout, REPLACE_WAIT_S))
+        except TimeoutError as exc:
+            # A finding, not a reason to stop: the next trial needs the survivors only.
+            self.idle_replacements.append(fresh)
+            self.say(f"WARNING: replacement {fresh} got no work in time ({exc})")
 
     def retried(self, names: list[str]) -> float:
         """Stage 0's retried micro-batches (Prometheus); a busy node may miss one scrape."""
@@ -507,7 +516,10 @@ class Bench:
         bad = {n: c for n, c in codes.items() if n not in self.killed and c != 0}
         self.say("running agora audit")
         audit = audit_db(self.swarm.db, self.workdir / "audit.json")
-        return {"trials": trials, "audit": audit, "exit_codes": codes, "bad_exits": bad}
+        return {
+            "trials": trials, "audit": audit, "exit_codes": codes, "bad_exits": bad,
+            "idle_replacements": self.idle_replacements,
+        }  # fmt: skip
 
 
 def _fmt(v: float | None) -> str:
@@ -526,6 +538,7 @@ def build_report(args: argparse.Namespace, workdir: Path, got: dict[str, Any]) -
         t["retried_microbatches"] for t in trials if "reroute" == t["kind"]
     ]
     out["regranted_to"] = [t["regranted_to"] for t in trials if t["kind"] == "lease"]
+    out["idle_replacements"] = got["idle_replacements"]
     out["lost_ranges"] = got["audit"]["lost_ranges"]
     out["duplicated_ranges"] = got["audit"]["duplicated_ranges"]
     out["summary"] = {k: _summary(out[k]) for k, _ in TIMES}

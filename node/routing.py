@@ -23,7 +23,7 @@ class PeerStats:
 
 @dataclass(kw_only=True, slots=True)
 class Router:
-    prior_s: float = 0.5  # assumed seconds per item for a peer never measured
+    prior_s: float = 0.5  # seconds per item assumed when no peer is measured yet
     ema: float = 0.3  # weight of the newest measurement
     jitter: float = 0.2  # multiplicative randomness, 0 = deterministic
     ban_base_s: float = 2.0  # first ban length (s)
@@ -34,7 +34,10 @@ class Router:
     def _stats(self, peer: str) -> PeerStats:
         st = self.peers.get(peer)
         if st is None:
-            st = self.peers[peer] = PeerStats(seconds_per_item=self.prior_s)
+            # Optimistic: a new peer is assumed as fast as the fastest known one, so it is
+            # tried (and measured) instead of starving behind fast, measured peers.
+            known = [s.seconds_per_item for s in self.peers.values()]
+            st = self.peers[peer] = PeerStats(seconds_per_item=min(known, default=self.prior_s))
         return st
 
     def expected_finish(self, peer: str) -> float:

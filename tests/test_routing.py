@@ -44,3 +44,14 @@ def test_exclude_and_forget() -> None:
     r.started("b")
     r.forget({"b"})
     assert set(r.peers) == {"b"}
+
+
+def test_a_new_peer_is_tried_next_to_a_fast_measured_one() -> None:
+    """A replica that just joined is assumed as fast as the fastest known peer, so it
+    gets traffic (and a measurement) instead of starving behind a busy fast peer."""
+    r = Router(jitter=0.0)
+    r.started("fast")
+    r.succeeded("fast", 0.05)  # far faster than the prior
+    r.started("fast")
+    r.started("fast")  # two in flight
+    assert r.choose(["fast", "new"], now=0.0) == "new"
