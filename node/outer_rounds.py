@@ -122,19 +122,20 @@ class OuterRounds:
         if resume is None:
             log.info("outer: starting the stage's global state from the initial weights")
             await self.worker.run(self.link.set_initial_state, params)
-        elif keep_progress:
-            await self.worker.run(
-                lambda: self.link.set_initial_state(
-                    [resume.theta_g], momentum=resume.momentum, round_=resume.round
-                )
+            return
+        await self.worker.run(
+            lambda: self.link.set_initial_state(
+                [resume.theta_g], momentum=resume.momentum, round_=resume.round
             )
+        )
+        if keep_progress:  # the weights stay as they are: progress on top of theta_g
             log.info("outer: kept its stage's global state at round %d", resume.round)
-        else:
-            await self.worker.run(self._resume, params, resume)
-            log.info(
-                "outer: resumed the stage's global state at round %d from %s",
-                resume.round, resume.path,
-            )  # fmt: skip
+            return
+        await self.worker.run(self._load, params)
+        log.info(
+            "outer: resumed the stage's global state at round %d from %s",
+            resume.round, resume.path,
+        )  # fmt: skip
 
     def carry_state(self) -> ResumeState:
         """This loop's global state (copies), for the outer loop that replaces it."""
@@ -149,15 +150,6 @@ class OuterRounds:
         """params = fetched theta_g + (params - base): keep the progress made since base."""
         merge_local_progress(params, base, self.link.theta_g())
         self.compute.weights_changed()
-
-    def _resume(self, params: list[Any], resume: ResumeState) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                p.copy_(resume.theta_g[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-        self.compute.weights_changed()
-        self.link.set_initial_state(params, momentum=resume.momentum, round_=resume.round)
 
     def _load(self, params: list[Any]) -> None:
         self.link.load_into(params)
