@@ -508,8 +508,12 @@ class Bench:
                 trials.append(self.lease_trial())
             if i + 1 < len(kinds):
                 self.replace(1 if kind == "reroute" else 0)
-                # every node of the next kill's stage, and stage 0, trains again
-                self.wait_training([n for s in (0, 1) for n in self.names[s]], args.start_timeout)
+                # every node of the next kill's stage, and stage 0, trains again (an idle
+                # replacement is already recorded as such)
+                names = [n for s in (0, 1) for n in self.names[s]]
+                self.wait_training(
+                    [n for n in names if n not in self.idle_replacements], args.start_timeout
+                )
         self.say("draining the nodes and stopping the coordinator")
         codes = self.swarm.stop_nodes(timeout_s=120.0)
         self.swarm.stop_coordinator()

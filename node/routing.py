@@ -5,10 +5,17 @@ Pure and clock-injected. For each candidate peer of the next stage the router es
 average of measured round trips, and picks the smallest after multiplying by a little
 random jitter so that load spreads. A peer that errors or times out is banned for a
 back-off that doubles with each consecutive failure and resets on success.
+
+An estimate ages: the longer a peer goes unmeasured, the closer its per-item time drifts
+to the fastest known one (half-life `stale_half_life_s`). Without that, one slow first
+reply (a cold joiner: a fresh connection and the first forward) rated a replica so slow
+that it was never chosen, so never measured again, and starved for good (the failover
+bench's idle replacements: 1.77 s/item against 0.22 for the survivor, for minutes).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -19,6 +26,7 @@ class PeerStats:
     in_flight: int = 0  # requests sent and not yet answered
     failures: int = 0  # consecutive failures
     banned_until: float = 0.0  # monotonic seconds
+    measured_at: float | None = None  # monotonic seconds of the last reply; None = never
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,6 +36,7 @@ class Router:
     jitter: float = 0.2  # multiplicative randomness, 0 = deterministic
     ban_base_s: float = 2.0  # first ban length (s)
     ban_max_s: float = 60.0  # longest ban (s)
+    stale_half_life_s: float = 10.0  # seconds for an unmeasured estimate to halve its excess
     rng: random.Random = field(default_factory=random.Random)
     peers: dict[str, PeerStats] = field(default_factory=dict)
 
@@ -36,13 +45,23 @@ class Router:
         if st is None:
             # Optimistic: a new peer is assumed as fast as the fastest known one, so it is
             # tried (and measured) instead of starving behind fast, measured peers.
-            known = [s.seconds_per_item for s in self.peers.values()]
-            st = self.peers[peer] = PeerStats(seconds_per_item=min(known, default=self.prior_s))
+            st = self.peers[peer] = PeerStats(seconds_per_item=self._fastest())
         return st
 
-    def expected_finish(self, peer: str) -> float:
+    def _fastest(self) -> float:
+        return min((s.seconds_per_item for s in self.peers.values()), default=self.prior_s)
+
+    def seconds_per_item(self, peer: str, now: float) -> float:
+        """The peer's per-item estimate, its excess over the fastest peer decayed by age."""
         st = self._stats(peer)
-        return (st.in_flight + 1) * st.seconds_per_item
+        if st.measured_at is None:
+            return st.seconds_per_item
+        best = self._fastest()
+        age = max(0.0, now - st.measured_at)
+        return best + (st.seconds_per_item - best) * math.pow(0.5, age / self.stale_half_life_s)
+
+    def expected_finish(self, peer: str, now: float) -> float:
+        return (self._stats(peer).in_flight + 1) * self.seconds_per_item(peer, now)
 
     def choose(
         self, candidates: list[str], now: float, exclude: frozenset[str] | set[str] = frozenset()
@@ -53,14 +72,15 @@ class Router:
             return None
         return min(
             live,
-            key=lambda p: self.expected_finish(p) * (1 + self.jitter * self.rng.random()),
+            key=lambda p: self.expected_finish(p, now) * (1 + self.jitter * self.rng.random()),
         )
 
     def started(self, peer: str) -> None:
         self._stats(peer).in_flight += 1
 
-    def succeeded(self, peer: str, elapsed_s: float) -> None:
+    def succeeded(self, peer: str, elapsed_s: float, now: float) -> None:
         st = self._stats(peer)
+        st.measured_at = now
         st.in_flight = max(0, st.in_flight - 1)
         st.failures = 0
         # A reply took `elapsed_s` with `in_flight + 1` items queued at the peer.

@@ -451,9 +451,20 @@ class Node:
         for peer in view.peers.values():
             if peer.addrs and peer.peer_id not in self.members:
                 self.transport.add_peer_addrs(peer.peer_id, peer.addrs)
+        before = set(self._next_stage_peers())
         self.members = dict(view.peers)
         self.router.forget(set(self.members))
         self.membership_version = view.version
+        after = set(self._next_stage_peers())
+        if after != before and self.join is not None and self.stage + 1 < self.join.run.n_stages:
+            log.info(
+                "node: membership v%d: %d peers on stage %d (+%d, -%d)",
+                view.version,
+                len(after),
+                self.stage + 1,
+                len(after - before),
+                len(before - after),
+            )
 
     def _next_stage_peers(self) -> list[str]:
         want = self.stage + 1
@@ -659,7 +670,7 @@ class Node:
         finally:
             metrics.IN_FLIGHT.dec()
         elapsed = trio.current_time() - t0
-        self.router.succeeded(peer, elapsed)
+        self.router.succeeded(peer, elapsed, trio.current_time())
         metrics.MB_SECONDS.observe(elapsed)
         return reply
 
