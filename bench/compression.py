@@ -1,8 +1,9 @@
-"""`agora bench compression`: what subspace+int8 boundaries cost in bytes and in loss.
+"""`agora bench compression`: what subspace-coded boundaries cost in bytes and in loss.
 
 Trains the `bench` preset centrally for equal tokens: once plain (unconstrained residual
 stream, no boundaries) and once per stage count (default 2 and 4) with the subspace
-parametrisation and `subspace_int8` at every boundary. A boundary is simulated in one
+parametrisation and the boundary codec (`--codec`, default `subspace_int4`; the issue's
+`subspace_int8` is `--codec subspace_int8 --rank 16`) at every boundary. A boundary is simulated in one
 process: the hidden state is encoded, serialised with msgpack, parsed and decoded going
 forward, and the gradient likewise (`U^T g`) going backward. Bytes are counted from the
 serialised encodings, plus one byte per token forward (the receiver needs the tokens
@@ -38,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--preset", default="bench", help="model preset (default bench)")
     p.add_argument("--rank", type=int, help="subspace rank k (default: the preset's)")
+    p.add_argument(
+        "--codec",
+        default="subspace_int4",
+        choices=["subspace_int8", "subspace_int4"],
+        help="boundary codec of the compressed runs (default subspace_int4; the issue's"
+        " subspace_int8 at the same ratio needs --rank 16, docs/compression.md)",
+    )
     p.add_argument("--stages", default="2,4", help="comma-separated stage counts (default 2,4)")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per run (default 150)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         runs = {"plain": base}
         for n in stage_counts:
-            runs[f"{n} stages"] = replace(base, rank=rank, compress="subspace_int8", stages=n)
+            runs[f"{n} stages"] = replace(base, rank=rank, compress=args.codec, stages=n)
         data = load_dataset(None)
     except ValueError as exc:
         print(f"agora bench compression: {exc}", file=sys.stderr)
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for label, res in results.items()
             ],
-            title=f"{args.preset}: plain vs subspace_int8 (k={rank})",
+            title=f"{args.preset}: plain vs {args.codec} (k={rank})",
             xlabel="tokens",
             ylabel="train loss (nats per byte)",
         )
@@ -156,7 +164,7 @@ def summarise(
         "preset": args.preset,
         "d_model": d_model,
         "rank": rank,
-        "codec": "subspace_int8",
+        "codec": args.codec,
         "tokens_per_run": plain.tokens,
         # per token per boundary, forward + backward
         "raw_bytes_per_token": raw / tok,

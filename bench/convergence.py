@@ -3,7 +3,7 @@
 Three runs on the same model preset, seed, corpus and held-out set:
 1. **central**: `node.baseline.train` on one process (the reference);
 2. **swarm**: a real coordinator and 2 stages x 2 replicas on loopback (node.swarm),
-   `subspace_int8` boundaries, DiLoCo outer rounds, trained until the coordinator has
+   `subspace_int4` boundaries, DiLoCo outer rounds, trained until the coordinator has
    committed the same number of tokens, then drained;
 3. **swarm + churn**: the same, but a replica is SIGKILLed and a fresh node started in
    its place `--kills` times (stage 0 first, then stage 1, ...) during the run.
@@ -42,7 +42,7 @@ from node.swarm import LocalSwarm, child_env
 
 STAGES = 2
 REPLICAS = 2
-CODEC = "subspace_int8"
+CODEC = "subspace_int4"
 _TRAINED = re.compile(r"left the run \((\d+) tokens trained")  # a node's exit line
 SCRAPED = (
     "agora_node_outer_bytes_total",
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="agora bench convergence",
         description="Held-out loss of the centralised baseline and of a 2-stage x 2-replica"
-        " swarm (subspace_int8, DiLoCo), without and with churn, at equal tokens; outer-step"
+        " swarm (subspace_int4, DiLoCo), without and with churn, at equal tokens; outer-step"
         " bytes against a per-step fp32 all-reduce.",
     )
     p.add_argument("--json", type=Path, help="write the results here")

@@ -207,7 +207,7 @@ class Bench:
         coord_toml = workdir / "failover.toml"
         coord_toml.write_text(
             f'run_id = "bench-failover"\nmodel_preset = "{args.preset}"\n'
-            f'n_stages = {STAGES}\ncodec = "subspace_int8"\n'
+            f'n_stages = {STAGES}\ncodec = "subspace_int4"\n'
             f"heartbeat_interval_s = {args.heartbeat}\nlease_ttl_s = {args.lease_ttl}\n"
             f"sweep_interval_s = {args.sweep}\nshard_tokens = {args.shard_tokens}\n"
         )

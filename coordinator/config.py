@@ -33,7 +33,7 @@ class CoordinatorConfig:
     run_id: str = "agora-run"  # name of the run
     model_preset: str = "small"  # model preset the nodes build
     n_stages: int = 2  # pipeline stages
-    codec: str = "subspace_int8"  # activation codec id
+    codec: str = "subspace_int4"  # activation codec id
     seed: int = 0  # run seed
     stage_costs: list[float] | None = None  # relative compute per stage (default all 1.0)
     # dataset

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="agora-coordinator",
         description="Run an Agora coordinator: membership, stage placement, DARL data leases"
         " and the shard server, durable in SQLite. Without --config it runs a local default"
-        " (embedded stdlib corpus, preset 'small', 2 stages, codec subspace_int8). Flags"
+        " (embedded stdlib corpus, preset 'small', 2 stages, codec subspace_int4). Flags"
         " override the config file. Secrets can come from AGORA_JOIN_TOKEN and"
         " AGORA_ADMIN_TOKEN.",
     )

@@ -72,18 +72,24 @@ STREAMS_S = 40.0  # seconds the `streams` attack may take in all
 
 
 def forward(run: c.RunInfo, *, width_delta: int = 0, bad: float | None = None) -> Forward:
-    """A Forward for a `subspace_int8` boundary (well-formed unless told otherwise)."""
-    if run.codec != "subspace_int8":
-        raise SystemExit(f"chaos_rogue: only the subspace_int8 codec is modelled, not {run.codec}")
+    """A Forward for a `subspace_int4` or `subspace_int8` boundary (well-formed unless
+    told otherwise)."""
+    if run.codec not in ("subspace_int4", "subspace_int8"):
+        raise SystemExit(
+            f"chaos_rogue: only the subspace_int4/int8 codecs are modelled, not {run.codec}"
+        )
     cfg = preset(run.model_preset)
     d, k = cfg.d_model + width_delta, cfg.subspace_rank
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, size=(BATCH, SEQ + 1), dtype=np.uint8)
-    q = rng.integers(-20, 20, size=(BATCH, SEQ, k), dtype=np.int8)
+    if run.codec == "subspace_int4":  # packed nibbles, two codes a byte
+        q = rng.integers(0, 256, size=(BATCH, SEQ, k // 2), dtype=np.uint8)
+    else:
+        q = rng.integers(-20, 20, size=(BATCH, SEQ, k), dtype=np.int8)
     rel = np.ones((BATCH, SEQ), dtype=np.float16)
     g = np.array([0.5 if bad is None else bad], dtype=np.float32)
     hidden = EncodedTensor(
-        codec="subspace_int8",
+        codec=run.codec,
         shape=[BATCH, SEQ, d],
         parts=[TensorFrame.from_numpy(a) for a in (q, rel, g)],
     )

@@ -98,17 +98,19 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # Multi-process tests: a stage forward+backward of a small micro-batch in a few ms.
+    # Ranks: twice what int8 coefficients would afford, for the 4-bit `subspace_int4`
+    # codec at the same bytes (docs/compression.md).
     "tiny": ModelConfig(
-        d_model=128, n_layers=4, n_heads=4, d_ff=256, max_seq_len=256, subspace_rank=16
+        d_model=128, n_layers=4, n_heads=4, d_ff=256, max_seq_len=256, subspace_rank=32
     ),
     # The demo: 2 stages x 2 replicas on 2 CPU cores in about five minutes.
     "small": ModelConfig(
-        d_model=256, n_layers=4, n_heads=4, d_ff=512, max_seq_len=256, subspace_rank=24
+        d_model=256, n_layers=4, n_heads=4, d_ff=512, max_seq_len=256, subspace_rank=48
     ),
-    # `agora bench compression`: wide enough that the subspace pays (d/k = 32), small
-    # enough to train three times on 2 CPU cores in a few minutes.
+    # `agora bench compression`: wide enough that the subspace pays (d/k = 16 at 4 bits
+    # a coefficient: 110x), small enough to train three times on 2 CPU cores in minutes.
     "bench": ModelConfig(
-        d_model=512, n_layers=4, n_heads=8, d_ff=512, max_seq_len=256, subspace_rank=16
+        d_model=512, n_layers=4, n_heads=8, d_ff=512, max_seq_len=256, subspace_rank=32
     ),
 }
 

@@ -76,7 +76,7 @@ class LocalSwarm:
     workdir: Path
     preset: str = "tiny"  # model preset
     stages: int = 2  # pipeline stages
-    codec: str = "subspace_int8"  # boundary codec
+    codec: str = "subspace_int4"  # boundary codec
     coordinator_args: list[str] = field(default_factory=list)  # extra agora-coordinator flags
     node_args: list[str] = field(default_factory=list)  # extra agora-node flags
     coordinator: Proc | None = None

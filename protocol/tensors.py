@@ -27,7 +27,7 @@ DTYPES: dict[str, Any] = {
 MAX_DIMS = 8
 MAX_DIM = 2**31  # elements along one axis
 MAX_ELEMENTS = 2**31  # elements in a tensor (the product of its non-zero dimensions)
-CODECS = ("raw", "fp16", "int8", "subspace", "subspace_int8")
+CODECS = ("raw", "fp16", "int8", "subspace", "subspace_int8", "subspace_int4")
 
 
 @record

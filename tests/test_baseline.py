@@ -48,11 +48,11 @@ def test_compressed_stages_and_user_dataset(tmp_path: Path) -> None:
     data.write_text("\n".join([line] * 300))
     r = _run(
         tmp_path, "s", "--steps", "20", "--eval-every", "10",
-        "--compress", "subspace_int8", "--stages", "2", "--dataset", str(data),
+        "--compress", "subspace_int4", "--stages", "2", "--dataset", str(data),
     )  # fmt: skip
     assert r["dataset"] == "d.jsonl" and math.isfinite(r["eval_loss"])
     (b,) = r["boundaries"]
-    assert b["tokens"] == 20 * 8 * 64 and b["ratio"] > 20  # tiny: d=128, k=16
+    assert b["tokens"] == 20 * 8 * 64 and b["ratio"] > 20  # tiny: d=128, k=32 at 4 bits
 
 
 def test_bad_options_exit_2_with_a_message(

@@ -18,6 +18,8 @@ from node.compression import (
     encode_int8,
     encode_raw,
     over_the_wire,
+    pack_nibbles,
+    unpack_nibbles,
     wire_size,
 )
 from node.subspace import make_subspace
@@ -64,7 +66,9 @@ def test_int8_round_trip_within_half_a_step_per_block() -> None:
     assert torch.equal(decode_int8(encode_int8(zeros), (5,)), zeros)
 
 
-@pytest.mark.parametrize("codec", ["raw", "fp16", "int8", "subspace", "subspace_int8"])
+@pytest.mark.parametrize(
+    "codec", ["raw", "fp16", "int8", "subspace", "subspace_int8", "subspace_int4"]
+)
 def test_boundary_round_trip_forward_and_backward(codec: str) -> None:
     tokens = torch.randint(0, 256, SHAPE[:2])
     h = _hidden(tokens)
@@ -73,13 +77,16 @@ def test_boundary_round_trip_forward_and_backward(codec: str) -> None:
     h2 = bc.decode_forward(over_the_wire(bc.encode_forward(h, tokens)), tokens)
     g2 = bc.decode_backward(over_the_wire(bc.encode_backward(g, tokens)), tokens)
     g_ref = SUB.expand_grad(SUB.project_grad(g)) if codec.startswith("subspace") else g
-    tol = {"raw": 1e-7, "fp16": 1e-3, "int8": 1e-2, "subspace": 1e-5, "subspace_int8": 1e-2}[codec]
+    tol = {"raw": 1e-7, "fp16": 1e-3, "int8": 1e-2, "subspace": 1e-5, "subspace_int8": 1e-2,
+           "subspace_int4": 0.2}[codec]  # fmt: skip
     assert float((h2 - h).norm() / h.norm()) < tol
     assert float((g2 - g_ref).norm() / g_ref.norm()) < tol
     c_err = (SUB.coefficients(h2, tokens) - SUB.coefficients(h, tokens)).abs()
+    c_max = SUB.coefficients(h, tokens).abs().amax(-1, keepdim=True)
     if codec == "subspace_int8":  # per token: at most ~half a step of its own row scale
-        c_max = SUB.coefficients(h, tokens).abs().amax(-1, keepdim=True)
         assert bool((c_err <= c_max / 127 * 0.51 + 1e-5).all())
+    if codec == "subspace_int4":  # at most half the widest gap of the forward codebook
+        assert bool((c_err <= c_max * 0.096 + 1e-5).all())
 
 
 def test_subspace_int8_bytes_per_token_and_ratio() -> None:
@@ -93,6 +100,41 @@ def test_subspace_int8_bytes_per_token_and_ratio() -> None:
     assert K + 2 <= bc.stats.wire_bwd / n < K + 2.1
     assert bc.stats.raw_fwd == bc.stats.raw_bwd == n * D * 4
     assert bc.stats.ratio() == pytest.approx(8 * D / (2 * K + 5), rel=0.02)
+
+
+def test_subspace_int4_packs_two_codes_a_byte() -> None:
+    q = torch.arange(-8, 8, dtype=torch.int8).repeat(4).reshape(4, 16)
+    q = torch.cat([q, q.flip(-1)], dim=-1)  # every code, in both nibble positions
+    packed = pack_nibbles(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (4, 16)
+    assert torch.equal(unpack_nibbles(packed), q)
+    tokens = torch.randint(0, 256, (16, 128))
+    bc = BoundaryCodec("subspace_int4", D, SUB)
+    enc = bc.encode_backward(torch.randn(16, 128, D), tokens)
+    bc.encode_forward(_hidden(tokens), tokens)
+    n = tokens.numel()
+    assert K // 2 + 3 <= bc.stats.wire_fwd / n < K // 2 + 3.1
+    assert K // 2 + 2 <= bc.stats.wire_bwd / n < K // 2 + 2.1
+    # code -8 (nibble 0) is a forward codebook entry but no backward level
+    zero = TensorFrame.from_numpy(np.zeros((16, 128, K // 2), np.uint8))
+    hostile = EncodedTensor(codec=enc.codec, shape=enc.shape, parts=[zero, *enc.parts[1:]])
+    with pytest.raises(ProtocolError, match="backward level"):
+        bc.decode_backward(hostile, tokens)
+    assert bool(torch.isfinite(bc.decode_forward(hostile, tokens)).all())
+    with pytest.raises(ValueError, match="even rank"):
+        BoundaryCodec("subspace_int4", D, make_subspace(0, D, 3))
+
+
+def test_subspace_int4_gradients_are_unbiased() -> None:
+    """Stochastic rounding: the mean of many decoded gradients approaches the exact one,
+    far closer than one rounding step."""
+    tokens = torch.randint(0, 256, (1, 4))
+    g = torch.randn(1, 4, D)
+    exact = SUB.expand_grad(SUB.project_grad(g))
+    bc = BoundaryCodec("subspace_int4", D, SUB, seed=1)
+    mean = sum(bc.decode_backward(bc.encode_backward(g, tokens), tokens) for _ in range(400)) / 400
+    step = SUB.project_grad(g).abs().amax(-1).max() / 7
+    assert float((SUB.project_grad(mean) - SUB.project_grad(exact)).abs().max()) < 0.15 * step
 
 
 def test_decoders_check_shape_codec_and_finiteness() -> None:
@@ -117,7 +159,7 @@ def test_decoders_check_shape_codec_and_finiteness() -> None:
 
 # --- hypothesis: hostile encodings only ever raise ProtocolError ------------------------
 
-CODEC_NAMES = ["raw", "fp16", "int8", "subspace", "subspace_int8"]
+CODEC_NAMES = ["raw", "fp16", "int8", "subspace", "subspace_int8", "subspace_int4"]
 _frames = st.builds(
     TensorFrame,
     dtype=st.sampled_from(sorted(DTYPES)),
