@@ -17,7 +17,7 @@ Codecs (ids as in `protocol.tensors.CODECS`):
   and the rank is what costs loss: on the `bench` preset (2 stages) int8 at k = 16 lost
   5.8 % of eval loss, int8 at k = 32 0.03 %, int4 at k = 32 with uniform rounding both
   ways 2.7 %, with stochastic rounding backward 2.3 % (both ways 5.3 %: forward noise is
-  what hurts), and with the forward codebook 1.7 %. See docs/compression.md.
+  what hurts), and with the forward codebook 0.9 to 1.7 %. See docs/compression.md.
 
 Every decoder validates codec id, logical shape, part count, part dtypes and shapes, and
 finiteness, and raises `protocol.ProtocolError` for anything malformed before a model
