@@ -212,6 +212,7 @@ def encode_coefficients(
     rng: torch.Generator | None = None,
 ) -> EncodedTensor:
     """Coefficients [B, T, k] of a hidden state or gradient of logical shape [B, T, d]."""
+    coeffs = coeffs.detach().float().cpu()  # bound for the wire; the codebook and rng are CPU
     if codec == "subspace":
         parts = [_frame(coeffs.float())]
     elif codec == "subspace_int8":
