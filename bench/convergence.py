@@ -38,7 +38,7 @@ from node.baseline import TrainConfig, evaluate_weights, rich_progress, train
 from node.data import Dataset, load_dataset
 from node.export import export_checkpoints
 from node.model import build_stage, load_export, preset
-from node.swarm import LocalSwarm, child_env
+from node.swarm import LocalSwarm, child_env, workdir_path
 
 STAGES = 2
 REPLICAS = 2
@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         "--runs", default="central,swarm,churn",
         help="comma-separated subset of central, swarm, churn (default all)",
     )  # fmt: skip
-    p.add_argument("--workdir", type=Path, default=Path("bench-convergence"), help="logs, state")
+    p.add_argument("--workdir", type=workdir_path, default="bench-convergence", help="logs, state")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per swarm run")
     p.add_argument("--seed", type=int, default=0, help="run seed")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -363,6 +363,8 @@ def _central_pair(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from node.swarm import workdir_path
+
     p = argparse.ArgumentParser(
         prog="agora bench efficiency",
         description="Swarm tokens/s (2 stages x 2 replicas) over centralised tokens/s on the"
@@ -384,7 +386,7 @@ def _parser() -> argparse.ArgumentParser:
         help="nodes' DiLoCo outer_every_steps (default 0: pipeline only, commit per micro-batch)",
     )  # fmt: skip
     p.add_argument("--no-shaped", action="store_true", help="skip the shaped-link run")
-    p.add_argument("--workdir", type=Path, help="keep logs here (default: a temporary dir)")
+    p.add_argument("--workdir", type=workdir_path, help="keep logs here (default: a temporary dir)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 

@@ -72,7 +72,7 @@ from coordinator.journal import AuditEvent
 from node.chaos import audit_db
 from node.config import NodeConfig
 from node.routing import Router
-from node.swarm import LocalSwarm, Proc
+from node.swarm import LocalSwarm, Proc, workdir_path
 from protocol.identity import NodeKey
 
 STAGES = 2
@@ -134,7 +134,10 @@ def _parser() -> argparse.ArgumentParser:
         f" node default {nd.outer_every_steps})",
     )  # fmt: skip
     p.add_argument(
-        "--workdir", type=Path, default=None, help="logs and the coordinator DB (default: temp)"
+        "--workdir",
+        type=workdir_path,
+        default=None,
+        help="logs and the coordinator DB (default: temp)",
     )
     p.add_argument(
         "--start-timeout", type=float, default=240.0,

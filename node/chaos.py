@@ -47,7 +47,7 @@ from typing import Any
 
 import psutil
 
-from node.swarm import LocalSwarm, Proc, child_env
+from node.swarm import LocalSwarm, Proc, child_env, workdir_path
 from protocol.identity import NodeKey
 
 log = logging.getLogger("agora.chaos")
@@ -679,7 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--preset", default="tiny", help="model preset (default tiny)")
-    p.add_argument("--workdir", type=Path, default=None, help="logs and DBs (default a temp dir)")
+    p.add_argument(
+        "--workdir", type=workdir_path, default=None, help="logs and DBs (default a temp dir)"
+    )
     p.add_argument(
         "--baseline", choices=("sequential", "concurrent", "none"), default="sequential",
         help="the fault-free run of the same seed: after the chaos run (default), at the same"

@@ -30,6 +30,12 @@ from protocol.identity import NodeKey
 _METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+0-9.eEinfINFNa]+)$")
 
 
+def workdir_path(text: str) -> Path:
+    """An argparse type for --workdir: absolute, since children run with their own cwd
+    and are handed paths of files written there."""
+    return Path(text).expanduser().resolve()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -31,13 +31,20 @@ from typing import Any
 import pytest
 
 from node.config import NodeConfig
-from node.swarm import LocalSwarm, child_env
+from node.swarm import LocalSwarm, child_env, workdir_path
 from protocol.identity import NodeKey
 
 REPO = Path(__file__).resolve().parent.parent
 NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
 START_S = 150.0  # seconds for five processes to import torch and build stages (loaded box)
 TRAIN_S = 120.0  # seconds for the loss to fall / tokens to rise
+
+
+def test_workdir_path_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Benches hand nodes paths of files in --workdir, and nodes run with their own cwd:
+    a relative --workdir (bench convergence's default) must become absolute."""
+    monkeypatch.chdir(tmp_path)
+    assert workdir_path("bench-out") == tmp_path.resolve() / "bench-out"
 
 
 def poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
