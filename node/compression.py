@@ -140,7 +140,7 @@ def decode_int8(
     return _finite(out.reshape(shape), "int8")
 
 
-# --- rowwise int8 for subspace coefficients ----------------------------------------------
+# --- rowwise int8 / int4 for subspace coefficients ----------------------------------------------
 
 
 def _row_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -214,12 +214,14 @@ def encode_coefficients(
     """Coefficients [B, T, k] of a hidden state or gradient of logical shape [B, T, d]."""
     coeffs = coeffs.detach().float().cpu()  # bound for the wire; the codebook and rng are CPU
     if codec == "subspace":
-        parts = [_frame(coeffs.float())]
+        parts = [_frame(coeffs)]
     elif codec == "subspace_int8":
         parts = [_frame(p) for p in quantize_rows(coeffs)]
     elif codec == "subspace_int4":
         if backward:  # unbiased: stochastic rounding to uniform levels
-            q, rel, g = quantize_rows(coeffs, QUANT_LEVELS[codec], rng or torch.Generator())
+            if rng is None:  # a fresh generator per call would repeat the same draws
+                raise ValueError("subspace_int4 gradients need the boundary's rng")
+            q, rel, g = quantize_rows(coeffs, QUANT_LEVELS[codec], rng)
         else:
             q, rel, g = quantize_rows_codebook(coeffs, INT4_FORWARD_LEVELS)
         parts = [_frame(pack_nibbles(q)), _frame(rel), _frame(g)]

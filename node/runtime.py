@@ -456,7 +456,7 @@ class Node:
         self.router.forget(set(self.members))
         self.membership_version = view.version
         after = set(self._next_stage_peers())
-        if after != before and self.join is not None and self.stage + 1 < self.join.run.n_stages:
+        if after != before:  # the last stage has no next stage: always empty
             log.info(
                 "node: membership v%d: %d peers on stage %d (+%d, -%d)",
                 view.version,
