@@ -64,6 +64,7 @@ class NodeConfig:
     outer_participation_power: float = 0.5
     checkpoint_dir: Path | None = None  # write stage{K}.safetensors + .json here (None = off)
     checkpoint_every_rounds: int = 1  # applied outer rounds between checkpoints (and at drain)
+    events_file: Path | None = None  # append structured events here (node.events; None = off)
 
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator.rpartition(":")
@@ -104,6 +105,8 @@ class NodeConfig:
             )
         if self.checkpoint_dir is not None:
             self.checkpoint_dir = Path(self.checkpoint_dir).expanduser()
+        if self.events_file is not None:
+            self.events_file = Path(self.events_file).expanduser()
         if self.no_listen and self.relay_hop:
             raise ValueError("relay_hop needs inbound connections: it cannot go with no_listen")
         for relay in self.relays:

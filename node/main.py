@@ -78,6 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--checkpoint-every", type=int, default=None,
         help="applied outer rounds between checkpoints (default 1)",
     )  # fmt: skip
+    p.add_argument(
+        "--events", type=Path, default=None, metavar="FILE",
+        help="append structured events (joined, round applied, lease committed, left) to"
+        " FILE as JSON lines, for programs (default: none)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p.parse_args(argv)
 
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 "outer_every_steps": args.outer_every_steps,
                 "checkpoint_dir": args.checkpoint_dir,
                 "checkpoint_every_rounds": args.checkpoint_every,
+                "events_file": args.events,
             },
         )
         key = load_or_create_key(cfg.identity)

@@ -45,6 +45,7 @@ from node.coordinator_client import (
     FencedError,
 )
 from node.diloco import DilocoConfig
+from node.events import EventLog
 from node.lease_progress import LeaseProgress
 from node.model import preset
 from node.outer_link import OuterConfig, OuterLinkError, RoundResult
@@ -109,6 +110,7 @@ class Node:
         self.client = client
         self.device = device
         self.worker = TorchWorker()
+        self.events = EventLog(cfg.events_file)
         self.router = Router()
         self.stats = NodeStats()
         self.members: dict[str, PeerInfo] = {}
@@ -162,6 +164,10 @@ class Node:
             run.run_id, self.join.peer_id, self.stage, run.n_stages, run.model_preset, run.codec,
         )  # fmt: skip
         metrics.STAGE.set(self.stage)
+        self.events.emit(
+            "joined", peer_id=self.join.peer_id, stage=self.stage, n_stages=run.n_stages,
+            run_id=run.run_id,
+        )  # fmt: skip
         try:
             async with trio.open_nursery() as nursery:
                 # Heartbeats start first: building the stage may take longer than the TTL.
@@ -198,6 +204,7 @@ class Node:
             if self.outer is not None:
                 await trio.to_thread.run_sync(self.outer.close)
             self.worker.close()
+            self.events.close()
 
     def _dht_root(self) -> PeerInfo | None:
         """The run's canonical DHT bootstrap: the member with the smallest peer id that
@@ -329,6 +336,10 @@ class Node:
 
     async def _outer_applied(self, result: RoundResult, snapshot: Snapshot) -> None:
         """The round's snapshot is in the global state: commit what it covered."""
+        self.events.emit(
+            "round_applied", round=result.round, group_size=result.group_size,
+            tokens=result.tokens, seconds=result.seconds, rebased=result.rebased,
+        )  # fmt: skip
         await self._checkpoint()  # checkpoint hook: persist theta_g before committing
         if self.state_server is not None and self.outer is not None:
             # serve this round's theta_g (the link is idle until the hook returns)
@@ -396,6 +407,10 @@ class Node:
                 log.info(
                     "node: left the run (%d tokens trained, %d committed)",
                     self.stats.tokens_trained, self.stats.tokens_committed,
+                )  # fmt: skip
+                self.events.emit(
+                    "left", tokens_trained=self.stats.tokens_trained,
+                    tokens_committed=self.stats.tokens_committed,
                 )  # fmt: skip
             except (CoordinatorError, CoordinatorUnavailable) as exc:
                 log.warning("node: could not say goodbye to the coordinator: %s", exc)
@@ -666,6 +681,7 @@ class Node:
         except TransportError as exc:
             ban = self.router.failed(peer, trio.current_time())
             log.warning("node: %s failed via %s (%s); avoiding it for %.0fs", mb_id, peer, exc, ban)
+            self.events.emit("forward_failed", mb_id=mb_id, peer=peer, error=str(exc)[:200])
             return None
         finally:
             metrics.IN_FLIGHT.dec()
@@ -687,6 +703,10 @@ class Node:
                 self._forget_lease(lease.lease_id, fenced=True)
                 return
             metrics.COMMITTED.inc(point - progress.committed)
+            self.events.emit(
+                "lease_committed", lease_id=lease.lease_id, shard_id=lease.shard_id,
+                start=progress.committed, end=point,
+            )  # fmt: skip
             self.stats.tokens_committed += point - progress.committed
             progress.accept(point)
             if progress.complete:

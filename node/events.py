@@ -1,0 +1,69 @@
+"""Structured events of one node: one JSON object per line, for programs.
+
+Log lines are for people and may change wording at any time; benches, chaos and tests
+learn what a node did from this file instead (`agora-node --events FILE`). Each line is
+`{"t": unix seconds, "event": NAME, ...fields}`. The names and their fields:
+
+- `joined`: `peer_id`, `stage`, `n_stages`, `run_id`
+- `forward_failed`: `mb_id`, `peer`, `error` (a micro-batch attempt through `peer` failed)
+- `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
+- `round_applied`: `round`, `group_size`, `tokens`, `seconds`, `rebased`
+- `left`: `tokens_trained`, `tokens_committed`
+
+Writing never raises: an event file that cannot be written costs the events, not the node.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+EVENT_NAMES = frozenset({"joined", "forward_failed", "lease_committed", "round_applied", "left"})
+
+
+class EventLog:
+    """Appends events to a JSON-lines file; with no path it drops them."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._fh: IO[str] | None = None
+        if path is not None:
+            self._fh = open(path, "a", encoding="utf-8", buffering=1)  # line-buffered
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if event not in EVENT_NAMES:
+            raise ValueError(f"unknown event {event!r}; known: {sorted(EVENT_NAMES)}")
+        if self._fh is None:
+            return
+        try:
+            self._fh.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+        except (OSError, ValueError) as exc:  # a full disk, or a closed file at exit
+            log.warning("events: could not write %s: %s", event, exc)
+            self._fh = None
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """Every complete event in `path` (a half-written last line is skipped), optionally
+    only those named `event`; [] if the file does not exist yet."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict) and (event is None or item.get("event") == event):
+            out.append(item)
+    return out
