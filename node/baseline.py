@@ -28,6 +28,7 @@ from torch import nn
 
 from node.compression import BoundaryCodec, BoundaryStats, through_boundary
 from node.data import Batch, Dataset, RandomBatches, eval_batches, load_dataset
+from node.inner_step import inner_step
 from node.model import (
     PRESETS,
     ModelConfig,
@@ -40,7 +41,6 @@ from node.model import (
     save_export,
 )
 from node.plotting import Series, plot_series, write_csv
-from node.subspace import project_, project_grads_
 from protocol.tensors import CODECS
 
 log = logging.getLogger(__name__)
@@ -126,14 +126,6 @@ class ChainedStages(nn.Module):
                 h = through_boundary(h, tokens, self.codecs[i])
         raise AssertionError("unreachable: the last stage returns the loss")
 
-    def project_(self) -> None:
-        for stage in self.stage_list():
-            project_(stage)
-
-    def project_grads_(self) -> None:
-        for stage in self.stage_list():
-            project_grads_(stage)
-
     def boundary_stats(self) -> list[BoundaryStats]:
         return [c.stats for c in self.codecs]
 
@@ -168,18 +160,12 @@ def evaluate(model: ChainedStages, batches: list[Batch]) -> float:
 def train_step(
     model: ChainedStages, opt: torch.optim.Optimizer, batch: Batch, lr: float, grad_clip: float
 ) -> float:
-    """One optimizer step between gradient and weight projection onto span(U); returns the loss."""
-    for group in opt.param_groups:
-        group["lr"] = lr
+    """One optimizer step (`node.inner_step`, the swarm's own) on `batch`; the loss."""
     x, y = batch
     loss = model(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    model.project_grads_()
-    if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    opt.step()
-    model.project_()
+    inner_step(model.stage_list(), opt, lr=lr, grad_clip=grad_clip)
     return float(loss.detach())
 
 

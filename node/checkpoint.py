@@ -246,8 +246,8 @@ class StageCheckpointer:
     def capture(
         self, theta_g: torch.Tensor, momentum: torch.Tensor, round_: int
     ) -> tuple[CheckpointMeta, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Copy the state (theta_g and the outer momentum) out of the link's buffers (call
-        on the torch worker thread, before the next link operation can overwrite them)."""
+        """The state (theta_g and the outer momentum, flat) as named tensors ready to
+        write (call on the torch worker thread)."""
         meta = CheckpointMeta(
             run_id=self.run_id, preset=self.preset, seed=self.seed, stage=self.stage, n_stages=self.n_stages, round=round_,
             numel=self.numel, momentum=True, created_at=time.time(),
@@ -272,25 +272,38 @@ class StageCheckpointer:
         return path
 
 
-async def save_stage_state(
-    ck: StageCheckpointer, worker: Any, link: Any, *, in_flight: bool, final: bool = False
-) -> Path | None:
-    """The node's hook: after an applied round (or at drain, `final`), write the link's
-    theta_g when due. The copy runs on the torch worker (it serialises with the link's
-    operations), the write in a thread. A failed write is logged, never fatal."""
-    import trio
+class CheckpointHook:
+    """The node's side: after an applied round (or at drain, `final`), write the state
+    when a checkpoint is due, one write at a time (the round hook and the drain may both
+    call). The split runs on the torch worker, the write in a thread. A failed write is
+    logged, never fatal."""
 
-    if in_flight or not ck.due(final=final) or int(link.round) == ck.last_round:
-        return None  # a round in flight, not due, or this state is on disk already
-    meta, tensors, momentum = await worker.run(
-        ck.capture, link.theta_g(), link.momentum(), int(link.round)
-    )
-    try:
-        path: Path = await trio.to_thread.run_sync(ck.write, meta, tensors, momentum)
-    except OSError as exc:
-        log.warning("checkpoint: could not write stage %d round %d: %s", ck.stage, meta.round, exc)
-        return None
-    return path
+    def __init__(self, ck: StageCheckpointer, worker: Any) -> None:
+        import trio
+
+        self.ck = ck
+        self.worker = worker
+        self._lock = trio.Lock()
+
+    async def __call__(self, state: GlobalState, *, final: bool = False) -> Path | None:
+        import trio
+
+        ck = self.ck
+        async with self._lock:
+            if not ck.due(final=final) or state.round == ck.last_round:
+                return None  # not due, or this state is on disk already
+            assert state.momentum is not None, "a live outer loop's state has a momentum"
+            meta, tensors, momentum = await self.worker.run(
+                ck.capture, state.theta_g, state.momentum, state.round
+            )
+            try:
+                path: Path = await trio.to_thread.run_sync(ck.write, meta, tensors, momentum)
+            except OSError as exc:
+                log.warning(
+                    "checkpoint: could not write stage %d round %d: %s", ck.stage, meta.round, exc
+                )
+                return None
+            return path
 
 
 def stage_checkpointer(
@@ -307,19 +320,21 @@ def stage_checkpointer(
 
 
 @dataclass(frozen=True, slots=True)
-class ResumeState:
-    """A stage's global state (from its checkpoint, or carried over from an outer loop
-    being replaced), flat in parameter order."""
+class GlobalState:
+    """A stage's global state as one value: private flat fp32 CPU copies in parameter
+    order, never the outer process's live buffers. The outer loop hands one to the state
+    server and the checkpointer after every applied round; a checkpoint read back, or the
+    state of an outer loop being replaced, seeds a new outer loop."""
 
     theta_g: torch.Tensor  # flat fp32
     momentum: torch.Tensor | None  # flat fp32, when known
     round: int  # outer steps in the state
-    path: Path | None  # the checkpoint file; None when carried over, not read from disk
+    path: Path | None = None  # the checkpoint file it was read from, if any
 
 
 def resume_state(
     directory: Path, run: Any, stage: int, model: torch.nn.Module
-) -> ResumeState | None:
+) -> GlobalState | None:
     """The state in `directory/stage{K}.safetensors` if it is a checkpoint of this run's
     stage (same run id, preset, seed, stage count and parameter layout), else None (with
     the reason logged): a node that finds no live replica of its stage resumes from it."""
@@ -352,4 +367,4 @@ def resume_state(
     mom = None
     if ck.momentum is not None and sorted(ck.momentum) == sorted(ck.tensors):
         mom = torch.cat([ck.momentum[n].flatten() for n, _ in named])
-    return ResumeState(theta_g=flat, momentum=mom, round=ck.meta.round, path=path)
+    return GlobalState(theta_g=flat, momentum=mom, round=ck.meta.round, path=path)

@@ -137,7 +137,7 @@ async def _run(cfg: NodeConfig, key: NodeKey, device: str) -> int:
             async def signals() -> None:
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
                     async for signum in sigs:
-                        if node._draining.is_set():
+                        if node.draining:
                             log.warning("second %s: exiting now", signal.Signals(signum).name)
                             os._exit(130)
                         log.info("%s: draining; press Ctrl-C again to exit at once",

@@ -1,13 +1,13 @@
-"""DiLoCo outer rounds for one stage replica, driven from the node's trio loop.
+"""DiLoCo outer rounds of one outer process, driven from the node's trio loop.
 
-`OuterRounds` owns the `OuterLink` (the hivemind process) and decides when a round
+`OuterRounds` owns one `OuterLink` (the hivemind process) and decides when a round
 starts: every `every_steps` inner steps, once the previous round has finished, so a
-round always overlaps with training (DESIGN.md section 6.4). The node calls `tick()`
-a few times a second. Every call that touches the
-parameters runs on the torch worker thread, which serialises it with forward/backward.
-When a round's result arrives it is merged into the working copy, and `on_applied`
-learns which training progress (the snapshot taken at `begin_round`) reached the global
-state: stage 0 commits its lease ranges only then (the commit point of section 7).
+round always overlaps with training and communication never stalls compute. Every call
+that touches the parameters runs on the torch worker thread, which serialises it with
+forward and backward. When a round's result arrives it is merged into the working copy
+(theta_g plus the progress made since the snapshot), and `on_applied` gets the new
+global state as a value and the commit points the round's snapshot covered: stage 0
+commits its lease ranges only then, once they reached theta_g.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch
 import trio
 
 from node import metrics
-from node.checkpoint import ResumeState
+from node.checkpoint import GlobalState
 from node.diloco import merge_local_progress
+from node.events import EventLog
 from node.outer_link import OuterConfig, OuterLink, OuterLinkError, RoundResult
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # seconds between checks for a finished round
 Snapshot = dict[int, int]  # lease id -> commit point covered by the round's snapshot
+OnApplied = Callable[[GlobalState, Snapshot], Awaitable[None]]
 
 
 class OuterRounds:
@@ -42,8 +44,9 @@ class OuterRounds:
         *,
         every_steps: int,
         snapshot: Callable[[], Snapshot],
-        on_applied: Callable[[RoundResult, Snapshot], Awaitable[None]],
+        on_applied: OnApplied,
         target_tokens: Callable[[], int] | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self.worker = worker
         self._target_fn = target_tokens  # a full round's tokens now (participation rule)
@@ -61,6 +64,7 @@ class OuterRounds:
         # begin while the last one's merge and `on_applied` (commits, checkpoint) run.
         self._tick_lock = trio.Lock()
         self._early = False  # start the next round as soon as any inner step was taken
+        self.events = events or EventLog()
 
     @classmethod
     async def start(
@@ -74,8 +78,9 @@ class OuterRounds:
         config: OuterConfig,
         every_steps: int,
         snapshot: Callable[[], Snapshot],
-        on_applied: Callable[[RoundResult, Snapshot], Awaitable[None]],
+        on_applied: OnApplied,
         target_tokens: Callable[[], int] | None = None,
+        events: EventLog | None = None,
     ) -> OuterRounds:
         numel = sum(p.numel() for p in compute.parameters())
         # Abandoned on cancel (Ctrl-C during start-up): the outer process exits by itself
@@ -93,21 +98,28 @@ class OuterRounds:
         log.info("outer: hivemind DHT up at %s (%d parameters)", link.dht_addrs(), numel)
         return cls(
             worker, compute, link, every_steps=every_steps, snapshot=snapshot,
-            on_applied=on_applied, target_tokens=target_tokens,
+            on_applied=on_applied, target_tokens=target_tokens, events=events,
         )  # fmt: skip
 
     async def load_state(
         self,
         replicas_exist: bool,
-        resume: ResumeState | None = None,
+        resume: GlobalState | None = None,
         *,
         keep_progress: bool = False,
-    ) -> None:
+    ) -> GlobalState:
         """A joiner takes (theta_g, m, round) from a live replica; the first one seeds it
         from `resume` (its stage checkpoint, or the state of the outer loop this one
         replaces) when given, else from its initial weights. With `keep_progress` the
         working copy keeps what it trained since `resume.theta_g` (a rebase onto the
-        fetched state; or `resume` seeds theta_g and the weights stay as they are)."""
+        fetched state; or `resume` seeds theta_g and the weights stay as they are).
+        Returns the loaded global state."""
+        await self._load_state(replicas_exist, resume, keep_progress)
+        return await self.worker.run(self.capture)
+
+    async def _load_state(
+        self, replicas_exist: bool, resume: GlobalState | None, keep_progress: bool
+    ) -> None:
         params = self.compute.parameters()
         if replicas_exist:
             got = await self.worker.run(self.link.fetch_state)
@@ -137,13 +149,13 @@ class OuterRounds:
             resume.round, resume.path,
         )  # fmt: skip
 
-    def carry_state(self) -> ResumeState:
-        """This loop's global state (copies), for the outer loop that replaces it."""
-        return ResumeState(
-            theta_g=self.link.theta_g().clone(),
-            momentum=self.link.momentum().clone(),
+    def capture(self) -> GlobalState:
+        """This loop's global state as a value: copies of the link's buffers (call on the
+        torch worker while no round runs, so the outer process is not writing them)."""
+        return GlobalState(
+            theta_g=self.link.theta_g().detach().to("cpu", torch.float32).clone(),
+            momentum=self.link.momentum().detach().to("cpu", torch.float32).clone(),
             round=int(self.link.round),
-            path=None,
         )
 
     def _rebase(self, params: list[Any], base: torch.Tensor) -> None:
@@ -214,7 +226,11 @@ class OuterRounds:
             result.round, result.group_size, result.tokens, result.eta_r, result.seconds,
             result.bytes_out, ", rebased" if result.rebased else "",
         )  # fmt: skip
-        await self._on_applied(result, snapshot)
+        self.events.emit(
+            "round_applied", round=result.round, group_size=result.group_size,
+            tokens=result.tokens, seconds=result.seconds, rebased=result.rebased,
+        )  # fmt: skip
+        await self._on_applied(await self.worker.run(self.capture), snapshot)
 
     async def finish(self, timeout_s: float) -> None:
         """Drain: wait for the round in flight, then run one more to cover the rest."""

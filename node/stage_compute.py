@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from node.compression import BoundaryCodec
+from node.inner_step import inner_step
 from node.model import ModelConfig, build_stage, param_groups
-from node.subspace import project_, project_grads_
 from protocol.tensors import EncodedTensor
 
 log = logging.getLogger(__name__)
@@ -170,14 +170,8 @@ class StageCompute:
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
-        project_grads_(self.model)  # keep the update inside span(U) (node.subspace)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.inner.grad_clip)
         warm = min(1.0, (self.inner_steps + 1) / max(1, self.inner.warmup_steps))
-        for group in self.opt.param_groups:
-            group["lr"] = self.inner.lr * warm
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        project_(self.model)
+        inner_step([self.model], self.opt, lr=self.inner.lr * warm, grad_clip=self.inner.grad_clip)
         self.inner_steps += 1
         self.weights_version += 1
         self._pending_tokens = 0

@@ -7,12 +7,9 @@ export`) are served, under the same per-peer stream, rate and bytes limits
 
 What is served:
 - With an outer loop: `theta_g` as of the last applied round. The node calls
-  `capture(link)` when the outer state is loaded and after every applied round (the
-  `_outer_applied` hook, where the link is idle: the next round cannot begin until the
-  hook returns). The copy runs on the torch worker, so it is one round's state, never
-  half of one: during a round the link's buffer may be rewritten by the outer process,
-  so it is never read then. Cost: one clone of the stage's parameters per round and one
-  extra copy in memory.
+  `hold(state)` with the `GlobalState` the outer loop hands out when its state is loaded
+  and after every applied round: a private copy, so it is one round's state, never half
+  of one.
 - Without an outer loop (`outer_every_steps = 0`): the stage's current parameters at
   round 0, copied on the worker when a client asks for offset 0 and the held copy is
   older than `refresh_s` (a new copy gets a new `version`, which tells a client that is
@@ -29,10 +26,10 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from node.checkpoint import GlobalState
 from node.worker import TorchWorker
 from protocol.codec import DEFAULT_MAX_FRAME
 from protocol.dataplane import Refused
@@ -60,11 +57,6 @@ def _flat_copy(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous fp32 CPU copy of `tensors` (call on the torch worker)."""
     with torch.no_grad():
         return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
-
-
-def _link_copy(link: Any) -> tuple[torch.Tensor, int]:
-    """(a copy of the link's theta_g, its round) (call on the torch worker)."""
-    return link.theta_g().detach().to("cpu", torch.float32).clone(), int(link.round)
 
 
 class StateServer:
@@ -96,11 +88,9 @@ class StateServer:
             flat=flat, round=round_, version=secrets.randbits(62), taken_at=time.monotonic()
         )
 
-    async def capture(self, link: Any) -> None:
-        """Hold a copy of the outer loop's theta_g (link idle: after load or an applied
-        round, before the next round can begin)."""
-        flat, round_ = await self.worker.run(_link_copy, link)
-        self._hold(flat, round_)
+    def hold(self, state: GlobalState) -> None:
+        """Serve `state` (a private copy, never written again) from now on."""
+        self._hold(state.theta_g, state.round)
 
     async def _refresh_params(self) -> None:
         flat = await self.worker.run(_flat_copy, list(self._params()))

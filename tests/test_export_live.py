@@ -22,6 +22,7 @@ from coordinator_harness import Coordinator, wait_for, write_config
 from coordinator.journal import Journal
 from coordinator.membership import LEFT, Membership, Peer
 from node.baseline import evaluate_weights
+from node.checkpoint import GlobalState
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
 from node.data import load_dataset
 from node.export import main as export_main
@@ -223,13 +224,10 @@ def test_live_export_from_a_swarm(tmp_path: Path) -> None:
 
 
 class _Link:
-    """What the state server reads of an OuterLink: `theta_g()` and `round`."""
+    """An outer loop's live theta_g and round."""
 
     def __init__(self, values: torch.Tensor, round_: int) -> None:
         self.values, self.round = values, round_
-
-    def theta_g(self) -> torch.Tensor:
-        return self.values
 
 
 def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() -> None:
@@ -265,12 +263,12 @@ def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() 
         if len(seen) == 2:  # the newest replica applies a round mid-download
             srv, link = servers[1]
             link.values, link.round = torch.arange(n, dtype=torch.float32) * 6, 6
-            srv._hold(link.values.clone(), 6)  # what capture() does, synchronously
+            srv.hold(GlobalState(theta_g=link.values.clone(), momentum=None, round=6))
 
     async def main() -> StageState:
         async with trio.open_nursery() as nursery:
             for srv, link in servers:
-                await srv.capture(link)
+                srv.hold(GlobalState(theta_g=link.values.clone(), momentum=None, round=link.round))
             for t in transports:
                 await nursery.start(_run_transport, t)
             client = Libp2pTransport(client_key, P2PConfig(listen=[]))

@@ -13,6 +13,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from node.checkpoint import GlobalState
 from node.state_server import StateServer
 from node.worker import TorchWorker
 from protocol import ProtocolError, TensorFrame, decode, encode
@@ -154,14 +155,14 @@ def test_mutated_state_messages_raise_only_protocol_error(
 
 
 class _Link:
-    """What the server reads of an OuterLink: `theta_g()` and `round`."""
+    """An outer loop's live buffer and round, of which `state()` is a private copy."""
 
     def __init__(self, numel: int) -> None:
         self.buf = torch.arange(numel, dtype=torch.float32)
         self.round = 4
 
-    def theta_g(self) -> torch.Tensor:
-        return self.buf
+    def state(self) -> GlobalState:
+        return GlobalState(theta_g=self.buf.clone(), momentum=None, round=self.round)
 
 
 def _serve(server: StateServer, stage: int, offset: int, count: int) -> Any:
@@ -179,7 +180,7 @@ def test_outer_state_is_served_in_chunks_from_one_copy() -> None:
     async def main() -> None:
         refused = await _serve(server, 1, 0, 100)
         assert isinstance(refused, Refused) and refused.retry_after > 0  # nothing held yet
-        await server.capture(link)
+        server.hold(link.state())
         link.buf.add_(100.0)  # the link moves on; the held copy does not
         got, offset = [], 0
         while offset < 10:
@@ -195,7 +196,7 @@ def test_outer_state_is_served_in_chunks_from_one_copy() -> None:
             await _serve(server, 1, 10, 4)
         first = await _serve(server, 1, 0, 4)
         link.round = 5
-        await server.capture(link)
+        server.hold(link.state())
         again = await _serve(server, 1, 4, 4)
         assert again.round == 5 and again.version != first.version
         assert again.values().tolist() == [104.0, 105.0, 106.0, 107.0]

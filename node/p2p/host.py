@@ -100,7 +100,7 @@ class Libp2pTransport:
             muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         )
         host_id = self._host.get_id().to_string()
-        if host_id != key.peer_id:  # the one-identity rule of DESIGN.md section 2
+        if host_id != key.peer_id:  # one identity: the libp2p peer id is the node key
             raise RuntimeError(f"libp2p peer id {host_id} differs from NodeKey {key.peer_id}")
         self.limits = PeerLimits(self.cfg.limits, allow)
         self.relay = RelaySupport(self._host, self.cfg)  # circuit relay v2 (node.p2p.relay)
@@ -124,6 +124,10 @@ class Libp2pTransport:
     @property
     def direct_addrs(self) -> list[str]:
         return [str(a) for a in self._host.get_addrs()]
+
+    @property
+    def max_frame(self) -> int:
+        return self.cfg.max_frame
 
     @property
     def host(self) -> Any:

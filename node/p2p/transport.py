@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from node.p2p.limits import LimitsConfig
+from node.p2p.limits import LimitsConfig, MembershipFilter
 from protocol.codec import DEFAULT_MAX_FRAME
 from protocol.message import Message
 
@@ -68,9 +68,20 @@ class Transport(Protocol):
         """Multiaddrs this node can be reached at, each ending in /p2p/<peer id>."""
         ...
 
+    @property
+    def max_frame(self) -> int:
+        """Bytes: the largest frame payload this transport sends or accepts."""
+        ...
+
     def add_peer_addrs(self, peer_id: str, addrs: Sequence[str]) -> None: ...
 
-    def set_handler(self, protocol_id: str, handler: Handler) -> None: ...
+    def set_handler(self, protocol_id: str, handler: Handler) -> None:
+        """Serve `protocol_id` with `handler` (replacing any earlier one)."""
+        ...
+
+    def set_membership(self, allow: MembershipFilter) -> None:
+        """Serve only peers for which `allow(peer_id)` is true (the run's members)."""
+        ...
 
     async def request(
         self,

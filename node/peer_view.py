@@ -1,0 +1,112 @@
+"""The node's view of the run's members, as the coordinator last reported them.
+
+Who may use this node's data plane (members only), who its next-stage peers are, how
+many replicas its stage has, and whose DHT its outer loop should join. Observers
+(`PeerInfo.observer`, e.g. `agora export --coordinator`) are members, so their streams
+are admitted, but they are on no stage: never routed to, bootstrapped from or counted as
+replicas. Updating the view tells the transport the new peers' addresses and lets the
+router forget peers that left; `follow` refreshes it from the coordinator (a delta since
+the version held) until cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from node.coordinator_client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
+from node.p2p.transport import Transport
+from node.routing import Router
+from protocol.control import PeerInfo
+
+log = logging.getLogger(__name__)
+
+
+class PeerView:
+    def __init__(self, transport: Transport, router: Router, *, stage: int) -> None:
+        self.transport = transport
+        self.router = router
+        self.stage = stage  # this node's stage
+        self.members: dict[str, PeerInfo] = {}
+        self.version = 0  # the coordinator's membership version of `members`
+
+    @property
+    def me(self) -> str:
+        return self.transport.peer_id
+
+    def is_member(self, peer_id: str) -> bool:
+        return peer_id in self.members
+
+    def addrs(self, peer_id: str) -> list[str]:
+        info = self.members.get(peer_id)
+        return list(info.addrs) if info else []
+
+    async def refresh(self, client: CoordinatorClient) -> None:
+        """Ask the coordinator what changed and adopt it."""
+        view = await client.membership()
+        self.update(view.version, dict(view.peers))
+
+    async def follow(self, client: CoordinatorClient, interval_s: float) -> None:
+        """Refresh every `interval_s` seconds until cancelled (failures are retried)."""
+        while True:
+            await trio.sleep(interval_s)
+            try:
+                await self.refresh(client)
+            except (CoordinatorError, CoordinatorUnavailable) as exc:
+                log.debug("node: membership refresh failed: %s", exc)
+
+    def update(self, version: int, peers: dict[str, PeerInfo]) -> None:
+        """Adopt the coordinator's view at `version`."""
+        for peer in peers.values():
+            if peer.addrs and peer.peer_id not in self.members:
+                self.transport.add_peer_addrs(peer.peer_id, peer.addrs)
+        before = set(self.next_stage_peers())
+        self.members = dict(peers)
+        self.version = version
+        self.router.forget(set(self.members))
+        after = set(self.next_stage_peers())
+        if after != before:  # the last stage has no next stage: always empty
+            log.info(
+                "node: membership v%d: %d peers on stage %d (+%d, -%d)",
+                version, len(after), self.stage + 1, len(after - before), len(before - after),
+            )  # fmt: skip
+
+    def _on_stage(self, stage: int) -> list[PeerInfo]:
+        return [p for p in self.members.values() if p.stage == stage and not p.observer]
+
+    def next_stage_peers(self) -> list[str]:
+        return [p.peer_id for p in self._on_stage(self.stage + 1) if p.peer_id != self.me]
+
+    def replicas(self) -> int:
+        """Members training this node's stage, itself included (at least 1)."""
+        return max(1, len(self._on_stage(self.stage)))
+
+    def other_replicas_have_dht(self) -> bool:
+        """Another replica of this stage announces a DHT (so state can be fetched)."""
+        return any(p.dht_addrs for p in self._on_stage(self.stage) if p.peer_id != self.me)
+
+    def dht_root(self) -> PeerInfo | None:
+        """The run's canonical DHT bootstrap: the member with the smallest peer id that
+        announces a DHT, or None when that is this node. Nodes that start at the same
+        moment each begin a DHT of their own; before their first round they all move to
+        the root's, so groups can form. The smallest id never moves, so this converges."""
+        root = min(
+            (
+                p
+                for p in self.members.values()
+                if p.dht_addrs and p.peer_id != self.me and not p.observer
+            ),
+            key=lambda p: p.peer_id,
+            default=None,
+        )
+        return root if root is not None and root.peer_id < self.me else None
+
+    def dht_bootstrap(self) -> list[str]:
+        """DHT addresses to join: the root's first, then every other member's, so a root
+        that just died (still listed until its TTL lapses) does not strand us."""
+        others = sorted(
+            (p for p in self.members.values() if p.dht_addrs and not p.observer),
+            key=lambda p: p.peer_id,
+        )
+        return [a for p in others if p.peer_id != self.me for a in p.dht_addrs]

@@ -1,0 +1,194 @@
+"""One hop of the pipeline: pick a next-stage peer, send it a forward, serve one.
+
+A micro-batch travels stage by stage as a `Forward` (tokens plus the compressed boundary
+activations) and comes back as a `Backward` (the compressed input gradient and the loss).
+Stage 0 calls `run_microbatch`, which retries a failed route on another peer; every
+other stage serves `/agora/fwd/1` with `serve_forward`, which runs its forward, passes
+the micro-batch on (or computes the loss on the last stage) and answers with the
+gradient of its own input. A peer that fails or times out is avoided for a while
+(`node.routing.Router`). All torch work runs on the node's one `TorchWorker` thread; the
+hop also moves the codecs' byte counts and trained tokens into the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import trio
+
+from node import metrics
+from node.events import EventLog
+from node.p2p.transport import Transport, TransportError
+from node.peer_view import PeerView
+from node.routing import Router
+from node.stage_compute import StageCompute
+from node.worker import TorchWorker
+from protocol.errors import ProtocolError
+from protocol.message import Message
+from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
+from protocol.tensors import EncodedTensor, TensorFrame
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 1024  # sequences per micro-batch a peer may send us
+RETRY_WAIT_S = 0.5  # seconds before the first retry of a failed route (doubles, to 8 s)
+
+
+class PipelineHop:
+    def __init__(
+        self,
+        transport: Transport,
+        peers: PeerView,
+        worker: TorchWorker,
+        *,
+        request_timeout_s: float,  # seconds a downstream stage has for one micro-batch
+        router: Router | None = None,
+        events: EventLog | None = None,
+    ) -> None:
+        self.transport = transport
+        self.peers = peers
+        self.worker = worker
+        self.request_timeout_s = request_timeout_s
+        self.router = router or peers.router
+        self.events = events or EventLog()
+        self.compute: StageCompute | None = None  # set once the stage is built
+        self.built = trio.Event()
+        self.tokens_trained = 0  # tokens this stage trained on (forward + backward)
+        self._bytes_seen: dict[str, int] = {}  # codec byte counts already in the metrics
+
+    def stage_built(self, compute: StageCompute) -> None:
+        self.compute = compute
+        self.built.set()
+
+    # --- the sending side ----------------------------------------------------------------
+
+    def pick_next(self, tried: set[str]) -> str | None:
+        """A next-stage peer not yet tried for this micro-batch (all again once exhausted)."""
+        candidates = self.peers.next_stage_peers()
+        if tried and tried.issuperset(candidates):
+            tried.clear()
+        peer = self.router.choose(candidates, trio.current_time(), exclude=tried)
+        if peer is not None:
+            tried.add(peer)
+        return peer
+
+    async def send_forward(
+        self, peer: str, mb_id: str, tokens: TensorFrame, hidden: EncodedTensor, route: list[str]
+    ) -> Backward | None:
+        """One attempt through `peer`; None if it failed (the peer is then avoided)."""
+        msg = Forward(
+            mb_id=mb_id,
+            tokens=tokens,
+            hidden=hidden,
+            route=route,
+            deadline=time.time() + self.request_timeout_s,
+        )
+        self.router.started(peer)
+        metrics.IN_FLIGHT.inc()
+        t0 = trio.current_time()
+        try:
+            reply = await self.transport.request(
+                peer, self.peers.addrs(peer), FORWARD_PROTOCOL, msg, timeout=self.request_timeout_s
+            )
+            if not isinstance(reply, Backward) or reply.mb_id != mb_id:
+                raise TransportError(f"peer {peer} answered {type(reply).__name__}", peer_id=peer)
+        except TransportError as exc:
+            ban = self.router.failed(peer, trio.current_time())
+            log.warning("node: %s failed via %s (%s); avoiding it for %.0fs", mb_id, peer, exc, ban)
+            self.events.emit("forward_failed", mb_id=mb_id, peer=peer, error=str(exc)[:200])
+            return None
+        finally:
+            metrics.IN_FLIGHT.dec()
+        elapsed = trio.current_time() - t0
+        self.router.succeeded(peer, elapsed, trio.current_time())
+        metrics.MB_SECONDS.observe(elapsed)
+        return reply
+
+    async def run_microbatch(
+        self, mb_id: str, rows: np.ndarray, give_up: Callable[[int], bool]
+    ) -> float | None:
+        """Stage 0: run one micro-batch through the downstream stages until it returns
+        once, and train on it; its loss. None when `give_up(failures so far)` said so
+        before it returned (its lease was fenced, or the node is draining)."""
+        compute = self.compute
+        assert compute is not None
+        tokens = TensorFrame.from_numpy(rows)
+        backoff = RETRY_WAIT_S
+        tried: set[str] = set()
+        failures = 0
+        while not give_up(failures):
+            peer = self.pick_next(tried)
+            if peer is not None:
+                hidden = await self.worker.run(compute.forward, mb_id, rows, None)
+                assert isinstance(hidden, EncodedTensor)
+                reply = await self.send_forward(
+                    peer, mb_id, tokens, hidden, [self.transport.peer_id]
+                )
+                if reply is not None:
+                    await self.worker.run(compute.backward, mb_id, rows, None, reply.grad)
+                    self._account(rows)
+                    return reply.loss
+                await self.worker.run(compute.drop, mb_id)
+                metrics.MICROBATCHES.labels("retried").inc()
+            failures += 1
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, 8.0)
+        return None
+
+    # --- the serving side (stages > 0) ---------------------------------------------------
+
+    async def serve_forward(self, peer_id: str, msg: Message) -> Message:
+        if not isinstance(msg, Forward):
+            raise ProtocolError(f"expected a forward message, got {type(msg).__name__}")
+        with trio.move_on_after(max(0.0, msg.deadline - time.time())):
+            await self.built.wait()  # a forward that arrived while the stage was built
+        compute = self.compute
+        if compute is None or compute.is_first:
+            raise ProtocolError("this peer serves stage 0, which takes no forward input")
+        rows = msg.tokens.to_numpy(expect_dtype="uint8", expect_shape=(None, None))
+        max_seq = compute.model.config.max_seq_len
+        if not 1 <= rows.shape[0] <= MAX_ROWS or not 2 <= rows.shape[1] <= max_seq + 1:
+            raise ProtocolError(f"token block of shape {list(rows.shape)} is out of bounds")
+        if compute.is_last:
+            grad, loss = await self.worker.run(compute.forward, msg.mb_id, rows, msg.hidden)  # type: ignore[misc]
+            assert grad is not None
+            self._account(rows)
+            return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=rows.size - rows.shape[0])
+        hidden = await self.worker.run(compute.forward, msg.mb_id, rows, msg.hidden)
+        assert isinstance(hidden, EncodedTensor)
+        route = [*msg.route, self.transport.peer_id]
+        tried: set[str] = set()
+        with trio.fail_after(max(0.0, msg.deadline - time.time())):
+            reply = None
+            while reply is None:
+                peer = self.pick_next(tried)
+                if peer is not None:
+                    reply = await self.send_forward(peer, msg.mb_id, msg.tokens, hidden, route)
+                if reply is None:
+                    await trio.sleep(RETRY_WAIT_S)
+        grad_in = await self.worker.run(compute.backward, msg.mb_id, rows, msg.hidden, reply.grad)
+        assert grad_in is not None
+        self._account(None)
+        return Backward(mb_id=msg.mb_id, grad=grad_in, loss=reply.loss, tokens=reply.tokens)
+
+    # --- accounting ----------------------------------------------------------------------
+
+    def _account(self, rows: np.ndarray | None) -> None:
+        """Trained tokens (where this stage counts them) and the codecs' byte counts into
+        the Prometheus counters."""
+        if rows is not None:
+            n = rows.shape[0] * (rows.shape[1] - 1)
+            self.tokens_trained += n
+            metrics.TOKENS.inc(n)
+        assert self.compute is not None
+        counts = self.compute.bytes_counts()
+        for key, value in counts.items():
+            kind, direction = key.split("_")
+            metrics.BYTES.labels(direction, kind).inc(value - self._bytes_seen.get(key, 0))
+        self._bytes_seen = counts
+        wire = counts["wire_fwd"] + counts["wire_bwd"]
+        if wire:
+            metrics.COMPRESSION.set((counts["raw_fwd"] + counts["raw_bwd"]) / wire)

@@ -1,0 +1,194 @@
+"""Stage 0's driver: lease data, cut micro-batches, keep the pipeline full, commit.
+
+It keeps `lease_pool` leases open (`node.lease_pool.LeasePool` holds their state) and
+cuts each micro-batch from windows drawn across them, with `in_flight` micro-batches in
+the pipeline at once (`node.pipeline_hop.PipelineHop` carries each one). A micro-batch's
+id is its first window's (lease, epoch, offset), and it counts once: stage 0 finishes it
+once. Commits go to the coordinator one at a time, in order:
+- with an outer loop, only when a round that covers the windows was applied
+  (`commit(upto=snapshot)`, called by the node's round hook);
+- without one, as soon as the windows are trained.
+A fenced lease is dropped at once: its windows in flight are not finished, and nothing
+of it is committed. On drain the driver finishes its open leases within half the drain
+budget; what is left is released at the committed offset when the node leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+
+import numpy as np
+import trio
+
+from node import metrics
+from node.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    FencedError,
+)
+from node.drain import Drain
+from node.events import EventLog
+from node.lease_pool import CommitRange, LeasePool, Snapshot, Window
+from node.pipeline_hop import PipelineHop
+from protocol.control import LeaseInfo
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 2.0  # seconds between polls when there is no lease to be had
+
+
+class Stage0Driver:
+    def __init__(
+        self,
+        pool: LeasePool,
+        hop: PipelineHop,
+        client: CoordinatorClient,
+        drain: Drain,
+        *,
+        micro_batch: int,  # windows per micro-batch
+        in_flight: int,  # micro-batches in the pipeline at once
+        max_attempts: int,  # failed tries after which a draining node gives one up
+        shuffle: bool,  # draw windows at random across the open leases
+        max_tokens: int | None,  # drain after committing this many tokens (None = never)
+        seed: str,  # seeds the window draws
+        events: EventLog | None = None,
+    ) -> None:
+        self.pool = pool
+        self.hop = hop
+        self.client = client
+        self.drain = drain
+        self.micro_batch = micro_batch
+        self.in_flight = in_flight
+        self.max_attempts = max_attempts
+        self.rng = random.Random(seed) if shuffle else None
+        self.max_tokens = max_tokens
+        self.events = events or EventLog()
+        self.commit_on_finish = True  # no outer loop: commit windows once trained
+        # called when no lease was granted and no window is left (e.g. to start an outer
+        # round early, whose commits free the coordinator's per-peer lease cap)
+        self.on_out_of_work: Callable[[], None] | None = None
+        self.losses: list[float] = []  # the last 32 micro-batch losses
+        self._commit_lock = trio.Lock()  # commits go out one at a time, in order
+
+    @property
+    def loss(self) -> float | None:
+        return sum(self.losses) / len(self.losses) if self.losses else None
+
+    async def run(self) -> None:
+        slots = trio.Semaphore(self.in_flight)
+        no_grant_until = 0.0  # trio time before which asking for a lease is pointless
+        async with trio.open_nursery() as nursery:
+            while True:
+                if self.drain.started:
+                    if not self.pool.untaken or self.drain.past_half():
+                        break
+                elif self.max_tokens is not None and self.pool.tokens_committed >= self.max_tokens:
+                    self.drain.start(f"reached max_tokens={self.max_tokens}")
+                    continue
+                elif self.pool.wants_lease() and trio.current_time() >= no_grant_until:
+                    if await self._open_one():
+                        continue
+                    no_grant_until = trio.current_time() + IDLE_WAIT_S
+                    if not self.pool.untaken and self.on_out_of_work is not None:
+                        self.on_out_of_work()
+                if not self.pool.untaken:
+                    with trio.move_on_after(IDLE_WAIT_S):
+                        await self.drain.wait()
+                    continue
+                await slots.acquire()
+                batch = self.pool.take(self.micro_batch, self.rng)
+                nursery.start_soon(self._microbatch, batch, slots)
+            # In-flight micro-batches finish (or give up); windows never trained stay
+            # uncommitted, and their leases are released at the commit point.
+
+    async def _open_one(self) -> bool:
+        """Ask for a lease and open it; False if none was granted."""
+        try:
+            grant = await self.client.acquire_grant()
+        except (CoordinatorError, CoordinatorUnavailable) as exc:
+            log.warning("node: lease request failed: %s", exc)
+            return False
+        lease = grant.lease
+        if lease is None:
+            log.debug("node: no lease granted (%s)", grant.reason)
+            return False
+        shard = self.pool.shard(lease.shard_id)
+        if shard is None:
+            shard = await self.client.fetch_shard(lease.shard_id)  # sha256-checked
+        self.pool.open(lease, shard)
+        log.info(
+            "node: training lease %d (shard %d, tokens %d..%d, epoch %d)",
+            lease.lease_id, lease.shard_id, lease.committed, lease.limit, lease.epoch,
+        )  # fmt: skip
+        return True
+
+    async def _microbatch(self, batch: list[Window], slots: trio.Semaphore) -> None:
+        try:
+            t = self.pool.seq_len
+            rows = np.stack(
+                [np.frombuffer(w.shard, dtype=np.uint8)[w.start : w.start + t + 1] for w in batch]
+            )
+            first = batch[0]
+            mb_id = f"{first.lease.lease_id}.{first.lease.epoch}.{first.start}"
+            lease_ids = {w.lease.lease_id for w in batch}
+
+            def give_up(failures: int) -> bool:
+                if all(self.pool.is_fenced(i) for i in lease_ids):
+                    return True
+                return self.drain.started and (
+                    failures >= self.max_attempts or self.drain.past_deadline()
+                )
+
+            loss = await self.hop.run_microbatch(mb_id, rows, give_up)
+            if loss is None:  # fenced or draining: not finished, not committed
+                return
+            self.losses = [*self.losses[-31:], loss]
+            metrics.LOSS.set(self.loss or loss)  # mean of the last 32
+            metrics.MICROBATCHES.labels("done").inc()
+            self.pool.finish(batch)
+            # Without an outer loop finished windows are committed now; with one, only
+            # the round that covers them commits them (also while it moves or restarts).
+            if self.commit_on_finish:
+                await self.commit()
+        finally:
+            slots.release()
+
+    async def commit(self, upto: Snapshot | None = None) -> None:
+        """Commit what the pool may commit (up to `upto`'s points when given)."""
+        async with self._commit_lock:
+            for rng in self.pool.commits(upto):
+                await self._commit_one(rng)
+
+    async def _commit_one(self, rng: CommitRange) -> None:
+        lease = rng.lease
+        if not self.pool.pending(rng):  # fenced since the list was made
+            return
+        try:
+            await self.client.commit(lease, rng.start, rng.end)
+        except FencedError as exc:
+            log.warning("node: lease %d fenced at commit: %s", lease.lease_id, exc)
+            self.pool.fence(lease.lease_id)
+            return
+        metrics.COMMITTED.inc(rng.end - rng.start)
+        self.events.emit(
+            "lease_committed", lease_id=lease.lease_id, shard_id=lease.shard_id,
+            start=rng.start, end=rng.end,
+        )  # fmt: skip
+        if self.pool.accept(rng):
+            log.info("node: lease %d complete", lease.lease_id)
+
+    async def release_all(self) -> None:
+        """Hand every held lease back (leaving): uncommitted ranges return to the queue."""
+        async with self._commit_lock:
+            for lease in self.pool.release_all():
+                await self._release(lease)
+
+    async def _release(self, lease: LeaseInfo) -> None:
+        try:
+            await self.client.release(lease)
+            log.info("node: released lease %d", lease.lease_id)
+        except (CoordinatorError, CoordinatorUnavailable) as exc:
+            log.warning("node: could not release lease %d: %s", lease.lease_id, exc)

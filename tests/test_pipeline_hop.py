@@ -1,0 +1,175 @@
+"""The pipeline hop over the in-process transport, with faults placed by (peer, step).
+
+Real stages of the tiny preset (real forward, backward and boundary codecs) on one
+torch worker per peer; the transport encodes and decodes every message as the libp2p
+one does. Routing is made deterministic (no jitter), so the first choice of each hop is
+the first replica in the membership view, and a fault at that peer's step 0 cuts
+exactly the first attempt."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from node.events import EventLog, read_events
+from node.model import preset
+from node.p2p.inproc import FaultPlan, InProcessNetwork
+from node.p2p.transport import RequestRefused, TransportError
+from node.peer_view import PeerView
+from node.pipeline_hop import PipelineHop
+from node.routing import Router
+from node.stage_compute import InnerConfig, StageCompute
+from node.worker import TorchWorker
+from protocol.control import PeerInfo
+from protocol.identity import NodeKey
+from protocol.pipeline import FORWARD_PROTOCOL, Forward
+from protocol.tensors import TensorFrame
+
+SEQ = 32
+INNER = InnerConfig(lr=1e-3, warmup_steps=1, weight_decay=0.0, inner_batch_tokens=10**9,
+                    cache_size=8)  # fmt: skip
+
+
+class Swarm:
+    """Peers on one in-process network: `layout` is (name, stage) per peer, in the
+    membership view's order."""
+
+    def __init__(self, layout: list[tuple[str, int]], faults: FaultPlan, events: Path) -> None:
+        self.ids = {name: NodeKey.generate().peer_id for name, _ in layout}
+        self.network = InProcessNetwork(faults)
+        n_stages = max(stage for _, stage in layout) + 1
+        members = {
+            self.ids[name]: PeerInfo(peer_id=self.ids[name], stage=stage, addrs=[], device="cpu",
+                                     throughput=0.0)
+            for name, stage in layout
+        }  # fmt: skip
+        self.hops: dict[str, PipelineHop] = {}
+        self.workers: list[TorchWorker] = []
+        cfg = preset("tiny")
+        for name, stage in layout:
+            transport = self.network.transport(self.ids[name])
+            view = PeerView(transport, Router(jitter=0.0), stage=stage)
+            view.update(1, members)
+            worker = TorchWorker()
+            self.workers.append(worker)
+            hop = PipelineHop(
+                transport, view, worker, request_timeout_s=5.0,
+                events=EventLog(events if stage == 0 else None),
+            )  # fmt: skip
+            hop.stage_built(StageCompute(cfg, stage, n_stages, "subspace_int4", INNER))
+            transport.set_handler(FORWARD_PROTOCOL, hop.serve_forward)
+            transport.set_membership(view.is_member)
+            self.hops[name] = hop
+
+    def fault(self, name: str) -> str:
+        return self.ids[name]
+
+    def served(self, name: str) -> int:
+        return self.network.peers[self.ids[name]].served
+
+
+@contextmanager
+def swarm(layout: list[tuple[str, int]], faults: FaultPlan, events: Path) -> Iterator[Swarm]:
+    s = Swarm(layout, faults, events)
+    try:
+        yield s
+    finally:
+        for w in s.workers:
+            w.close()
+
+
+def rows(n: int = 2) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, size=(n, SEQ + 1), dtype=np.uint8)
+
+
+def test_a_dropped_route_is_retried_on_the_other_replica(tmp_path: Path) -> None:
+    layout = [("s0", 0), ("a", 1), ("b", 1)]
+    plan = FaultPlan()
+    with swarm(layout, plan, tmp_path / "events.jsonl") as s:
+        plan.add(s.fault("a"), 0, "drop")
+        hop = s.hops["s0"]
+        loss = trio.run(hop.run_microbatch, "1.1.0", rows(), lambda failures: failures > 3)
+        assert loss is not None and math.isfinite(loss)
+        assert s.served("a") == 0 and s.served("b") == 1
+        assert hop.router.peers[s.ids["a"]].banned_until > 0  # avoided for a while
+        assert hop.tokens_trained == 2 * SEQ
+        [failed] = read_events(tmp_path / "events.jsonl", "forward_failed")
+        assert failed["peer"] == s.ids["a"] and failed["mb_id"] == "1.1.0"
+
+
+@pytest.mark.parametrize("fault", ["timeout", "refuse", "garbage"])
+def test_each_fault_costs_one_attempt(tmp_path: Path, fault: str) -> None:
+    layout = [("s0", 0), ("a", 1), ("b", 1)]
+    plan = FaultPlan()
+    with swarm(layout, plan, tmp_path / "events.jsonl") as s:
+        plan.add(s.fault("a"), 0, fault)  # type: ignore[arg-type]
+        hop = s.hops["s0"]
+        hop.request_timeout_s = 1.0
+        loss = trio.run(hop.run_microbatch, "1.1.0", rows(), lambda failures: failures > 3)
+        assert loss is not None
+        assert len(read_events(tmp_path / "events.jsonl", "forward_failed")) == 1
+        # a garbage reply was computed by `a` and thrown away; the others never reached it
+        assert s.served("a") == (1 if fault == "garbage" else 0)
+        assert s.served("b") == 1
+
+
+def test_give_up_ends_a_micro_batch_that_cannot_get_through(tmp_path: Path) -> None:
+    layout = [("s0", 0), ("a", 1)]
+    plan = FaultPlan()
+    with swarm(layout, plan, tmp_path / "events.jsonl") as s:
+        for step in range(3):
+            plan.add(s.fault("a"), step, "drop")
+        hop = s.hops["s0"]
+        hop.router.ban_base_s = 0.01  # retry at once instead of waiting out the ban
+        seen: list[int] = []
+
+        def give_up(failures: int) -> bool:
+            seen.append(failures)
+            return failures >= 2
+
+        assert trio.run(hop.run_microbatch, "1.1.0", rows(), give_up) is None
+        assert seen == [0, 1, 2] and hop.tokens_trained == 0
+        assert hop.compute is not None and not hop.compute._cache  # its activations dropped
+
+
+def test_a_middle_stage_reroutes_around_a_failed_last_stage_replica(tmp_path: Path) -> None:
+    layout = [("s0", 0), ("m", 1), ("a", 2), ("b", 2)]
+    plan = FaultPlan()
+    with swarm(layout, plan, tmp_path / "events.jsonl") as s:
+        plan.add(s.fault("a"), 0, "drop")
+        loss = trio.run(s.hops["s0"].run_microbatch, "2.1.0", rows(), lambda f: f > 0)
+        assert loss is not None and math.isfinite(loss)  # the first attempt got through
+        assert s.served("m") == 1 and s.served("a") == 0 and s.served("b") == 1
+        assert s.hops["m"].router.peers[s.ids["a"]].banned_until > 0
+
+
+def test_serving_refuses_non_members_and_bans_bad_shapes(tmp_path: Path) -> None:
+    layout = [("s0", 0), ("a", 1)]
+    with swarm(layout, FaultPlan(), tmp_path / "events.jsonl") as s:
+        stranger = s.network.transport(NodeKey.generate().peer_id)
+        member = s.network.peers[s.ids["s0"]]
+        a = s.ids["a"]
+        hidden = s.hops["s0"]
+        assert hidden.compute is not None
+        good_rows = rows()
+        encoded = hidden.compute.forward("x", good_rows, None)
+
+        def forward(block: np.ndarray) -> Forward:
+            return Forward(mb_id="x", tokens=TensorFrame.from_numpy(block), hidden=encoded,
+                           route=[member.peer_id], deadline=1e12)  # fmt: skip
+
+        async def main() -> None:
+            with pytest.raises(RequestRefused, match="not_member"):
+                await stranger.request(a, [], FORWARD_PROTOCOL, forward(good_rows), timeout=5)
+            too_long = np.zeros((2, preset("tiny").max_seq_len + 2), dtype=np.uint8)
+            with pytest.raises(TransportError, match="out of bounds"):
+                await member.request(a, [], FORWARD_PROTOCOL, forward(too_long), timeout=5)
+
+        trio.run(main)
+        assert s.served("a") == 0
