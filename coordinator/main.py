@@ -64,8 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-connections", type=int, help="concurrent connection limit")
     p.add_argument(
         "--relay", action="store_true", default=None,
-        help="also run a circuit-relay v2 hop (python -m node.p2p.relay) on --host for nodes"
-        " started with --no-listen; its address is handed to them",
+        help="also run a circuit-relay v2 hop (python -m node.p2p.relay_main) on --host for"
+        " nodes started with --no-listen; its address is handed to them",
     )  # fmt: skip
     p.add_argument("--relay-port", type=int, help="relay listen port (default 0: OS-chosen)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
