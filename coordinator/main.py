@@ -14,25 +14,13 @@ import sys
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, load_config
+from coordinator.dataset import load_dataset
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.relay_child import RelayChild, RelayStartError
 from coordinator.server import CoordinatorServer
 from coordinator.store import SQLiteStore
-from protocol.corpus import Manifest, build_manifest, read_user_dataset, stdlib_corpus
 
 log = logging.getLogger("coordinator")
-
-
-def load_dataset(cfg: CoordinatorConfig) -> tuple[Manifest, bytes]:
-    if cfg.dataset == "stdlib":
-        data, name = stdlib_corpus(), "stdlib"
-    else:
-        path = Path(cfg.dataset)
-        data, name = read_user_dataset(path), path.name
-    manifest = build_manifest(
-        data, name=name, shard_tokens=cfg.shard_tokens, heldout_every=cfg.heldout_every
-    )
-    return manifest, data
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
