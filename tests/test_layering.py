@@ -15,9 +15,10 @@ The repository's packages are `protocol`, `node`, `coordinator`, `bench` and `sw
 - `protocol`, `node` and `coordinator` never import `bench`, `swarmlab` or `tests`.
 - No import cycles among the repository's modules.
 
-"Imports" means every import statement, also those inside functions, with relative
-imports resolved and `from pkg import name` counted as importing `pkg.name` when that is
-a module. Modules named in strings count as well: `importlib.import_module("...")`
+"Imports" means every import statement, also those inside functions and under
+`if TYPE_CHECKING:` (two modules that name each other's types depend on each other), with
+relative imports resolved and `from pkg import name` counted as importing `pkg.name` when
+that is a module. Modules named in strings count as well: `importlib.import_module("...")`
 targets, "module:function" entry points (e.g. a subcommand table) and `-m MODULE` in a
 command-line list (`[sys.executable, "-m", "node.main"]`) must name modules that exist
 and obey the same rules, with one deliberate exception (`ALLOWED_CROSSINGS`): the
