@@ -98,29 +98,35 @@ class Use:
     target: str
     how: str
     line: int
+    attr: str = ""  # the function of a "module:function" entry
 
 
-def _resolve(node: ast.ImportFrom, module: str, path: Path) -> str:
+def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     if node.level == 0:
         return node.module or ""
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    package = module.split(".") if is_package else module.split(".")[:-1]
     base = package[: len(package) - (node.level - 1)]
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
-ENTRY = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):[A-Za-z_]\w*")
+ENTRY = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)")
 PYTHON_M = re.compile(r"\bpython3? -m ([A-Za-z_][\w.]*[A-Za-z_0-9])")
 
 
-def _uses(module: str, path: Path) -> Iterator[Use]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    for node in ast.walk(tree):
+def _text(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return None
+
+
+def _uses(module: str, source: str, *, is_package: bool) -> Iterator[Use]:
+    for node in ast.walk(ast.parse(source)):
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield Use(module, alias.name, "import", line)
         elif isinstance(node, ast.ImportFrom):
-            base = _resolve(node, module, path)
+            base = _resolve(node, module, is_package)
             yield Use(module, base, "import", line)
             for alias in node.names:
                 if f"{base}.{alias.name}" in MODULES:
@@ -128,29 +134,27 @@ def _uses(module: str, path: Path) -> Iterator[Use]:
         elif isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            arg = node.args[0] if node.args else None
-            if name == "import_module" and isinstance(arg, ast.Constant):
-                if isinstance(arg.value, str):
-                    yield Use(module, arg.value, "import_module", line)
+            target = _text(node.args[0]) if node.args else None
+            if name == "import_module" and target is not None:
+                yield Use(module, target, "import_module", line)
         elif isinstance(node, ast.List | ast.Tuple):
-            elts = node.elts
-            for flag, target in zip(elts, elts[1:], strict=False):
-                if (
-                    isinstance(flag, ast.Constant)
-                    and flag.value == "-m"
-                    and isinstance(target, ast.Constant)
-                    and isinstance(target.value, str)
-                ):
-                    yield Use(module, target.value, "-m", line)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            entry = ENTRY.fullmatch(node.value)
+            for flag, arg in zip(node.elts, node.elts[1:], strict=False):
+                target = _text(arg)
+                if _text(flag) == "-m" and target is not None:
+                    yield Use(module, target, "-m", line)
+        elif (text := _text(node)) is not None:
+            entry = ENTRY.fullmatch(text)
             if entry and entry.group(1).split(".")[0] in PACKAGES:
-                yield Use(module, entry.group(1), "entry", line)
-            for mentioned in PYTHON_M.findall(node.value):
+                yield Use(module, entry.group(1), "entry", line, attr=entry.group(2))
+            for mentioned in PYTHON_M.findall(text):
                 yield Use(module, mentioned, "text", line)
 
 
-USES = [use for module, path in MODULES.items() for use in _uses(module, path)]
+USES = [
+    use
+    for module, path in MODULES.items()
+    for use in _uses(module, path.read_text(), is_package=path.name == "__init__.py")
+]
 
 
 def _where(use: Use) -> str:
@@ -158,81 +162,66 @@ def _where(use: Use) -> str:
 
 
 def _breaks_rules(use: Use) -> bool:
-    """Whether `use` breaks a package rule (ignoring ALLOWED_CROSSINGS)."""
+    """Whether `use` breaks a package rule (ALLOWED_CROSSINGS are not consulted here)."""
     if (use.source, use.target) in PENDING_REMOVAL:
         return False
     pkg, top = use.source.split(".")[0], use.target.split(".")[0]
-    if pkg == "node" and use.source.split(".")[:2] == ["node", "outer"]:
+    if use.source == "node.outer" or use.source.startswith("node.outer."):
         return top in BANNED["node"] | {"libp2p"}
     if pkg == "node" and top == "hivemind":
         return True
     return top in BANNED.get(pkg, set())
 
 
-def _rule_breaks(hows: set[str]) -> list[str]:
-    swarmlab_exists = "swarmlab" in _present_packages()
+def _import_breaks(*packages: str) -> list[str]:
     return [
-        _where(use)
-        for use in USES
-        if use.how in hows
-        and _breaks_rules(use)
-        and (use.source, use.target) not in ALLOWED_CROSSINGS
-        and (swarmlab_exists or use.source not in MOVING_TO_SWARMLAB or use.how == "import")
+        _where(u)
+        for u in USES
+        if u.how == "import" and u.source.split(".")[0] in packages and _breaks_rules(u)
     ]
 
 
 # --- imports ---------------------------------------------------------------------------------
 
 
-def test_the_import_reader_sees_nested_relative_and_from_imports() -> None:
-    source = "def f():\n    import os\n    from .. import p2p\n    from node.p2p import host\n"
-    fake = REPO / "node" / "p2p" / "fake.py"
-    tree_uses = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            tree_uses.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = _resolve(node, "node.p2p.fake", fake)
-            tree_uses.add(base)
-            tree_uses.update(
-                f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES
-            )
-    assert tree_uses == {"os", "node", "node.p2p", "node.p2p.host"}
+def test_the_reader_sees_nested_relative_from_and_string_uses() -> None:
+    source = '''
+def f():
+    import os
+    from .. import p2p
+    from node.p2p import host, Libp2pTransport
+    importlib.import_module("coordinator.audit")
+    run([sys.executable, "-m", "node.main", "--x"])
+TABLE = {"a": ("node.export:main", "help: not an entry"), "b": "localhost:7700"}
+"""Run `python -m node.p2p.relay_main`."""
+'''
+    got = {(u.how, u.target, u.attr) for u in _uses("node.p2p.fake", source, is_package=False)}
+    assert got == {
+        ("import", "os", ""),
+        ("import", "node", ""),
+        ("import", "node.p2p", ""),
+        ("import", "node.p2p.host", ""),
+        ("import_module", "coordinator.audit", ""),
+        ("-m", "node.main", ""),
+        ("entry", "node.export", "main"),
+        ("text", "node.p2p.relay_main", ""),
+    }
 
 
 def test_protocol_is_sans_io_and_imports_no_other_package() -> None:
-    assert not [_where(u) for u in USES if u.source.startswith("protocol") and _breaks_rules(u)]
+    assert not _import_breaks("protocol")
 
 
-def test_node_and_coordinator_never_import_each_other_or_the_tools() -> None:
-    bad = [
-        _where(u)
-        for u in USES
-        if u.how == "import" and u.source.split(".")[0] in ("node", "coordinator")
-        if _breaks_rules(u)
-    ]
-    assert not bad
+def test_coordinator_imports_no_node_tools_torch_libp2p_hivemind_or_trio() -> None:
+    assert not _import_breaks("coordinator")
 
 
-def test_only_node_outer_imports_hivemind_and_it_never_imports_libp2p() -> None:
-    bad = [
-        _where(u)
-        for u in USES
-        if u.how == "import"
-        and u.source.startswith("node")
-        and u.target.split(".")[0] in ("hivemind", "libp2p")
-        and _breaks_rules(u)
-    ]
-    assert not bad
+def test_node_imports_no_coordinator_or_tools_and_only_node_outer_imports_hivemind() -> None:
+    assert not _import_breaks("node")
 
 
 def test_bench_and_swarmlab_never_import_hivemind_or_libp2p() -> None:
-    bad = [
-        _where(u)
-        for u in USES
-        if u.source.split(".")[0] in ("bench", "swarmlab") and _breaks_rules(u)
-    ]
-    assert not bad
+    assert not _import_breaks("bench", "swarmlab")
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -293,6 +282,22 @@ def test_no_import_cycles_among_the_repositorys_modules() -> None:
 
 
 # --- modules named in strings ----------------------------------------------------------------
+def _defines(module: str, name: str) -> bool:
+    """Whether `module` binds `name` at its top level (def, class, assignment or import)."""
+    for node in ast.parse(MODULES[module].read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound = [node.name]
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            bound = [a.asname or a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.Assign):
+            bound = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            bound = [node.target.id]
+        else:
+            bound = []
+        if name in bound:
+            return True
+    return False
 
 
 def test_modules_named_in_strings_exist() -> None:
@@ -302,10 +307,25 @@ def test_modules_named_in_strings_exist() -> None:
         if u.how != "import" and u.target.split(".")[0] in PACKAGES and u.target not in MODULES
     ]
     assert not missing
+    no_function = [
+        f"{_where(u)}:{u.attr}"
+        for u in USES
+        if u.how == "entry" and u.target in MODULES and not _defines(u.target, u.attr)
+    ]
+    assert not no_function
 
 
 def test_modules_named_in_strings_obey_the_package_rules() -> None:
-    assert not _rule_breaks({"import_module", "entry", "-m"})
+    swarmlab_exists = "swarmlab" in _present_packages()
+    bad = [
+        _where(u)
+        for u in USES
+        if u.how in ("import_module", "entry", "-m")
+        and _breaks_rules(u)
+        and (u.source, u.target) not in ALLOWED_CROSSINGS
+        and (swarmlab_exists or u.source not in MOVING_TO_SWARMLAB)
+    ]
+    assert not bad
 
 
 def test_the_allowed_crossings_are_still_there() -> None:
