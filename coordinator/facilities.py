@@ -1,4 +1,4 @@
-"""Queue-aware placement across HPC facilities (DESIGN.md section 7).
+"""Queue-aware placement across HPC facilities.
 
 Launchers (`agora launch slurm|pbs`) report each facility's queue: the estimated wait
 for a new job, the job's walltime and start-up time, its `--max-jobs`, and the jobs it

@@ -1,4 +1,4 @@
-"""DARL data leases: the pure state machine (DESIGN.md section 7). No I/O, no clock.
+"""DARL data leases: the pure state machine. No I/O, no clock.
 
 A lease is (lease id, shard, holder, fencing epoch, expiry, committed offset) plus the
 `limit` of the granted range. Rules:
@@ -18,6 +18,7 @@ A lease is (lease id, shard, holder, fencing epoch, expiry, committed offset) pl
 - When every shard is done the data epoch advances and all shards start over.
 
 Every mutation is recorded in the `Journal` (rows + audit events) for the store.
+docs/data-path.md shows where leases sit between the manifest, commit points and audit.
 """
 
 from __future__ import annotations

@@ -14,25 +14,13 @@ import sys
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, load_config
+from coordinator.dataset import load_dataset
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.relay_child import RelayChild, RelayStartError
 from coordinator.server import CoordinatorServer
 from coordinator.store import SQLiteStore
-from protocol.corpus import Manifest, build_manifest, read_user_dataset, stdlib_corpus
 
 log = logging.getLogger("coordinator")
-
-
-def load_dataset(cfg: CoordinatorConfig) -> tuple[Manifest, bytes]:
-    if cfg.dataset == "stdlib":
-        data, name = stdlib_corpus(), "stdlib"
-    else:
-        path = Path(cfg.dataset)
-        data, name = read_user_dataset(path), path.name
-    manifest = build_manifest(
-        data, name=name, shard_tokens=cfg.shard_tokens, heldout_every=cfg.heldout_every
-    )
-    return manifest, data
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,8 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-connections", type=int, help="concurrent connection limit")
     p.add_argument(
         "--relay", action="store_true", default=None,
-        help="also run a circuit-relay v2 hop (python -m node.p2p.relay) on --host for nodes"
-        " started with --no-listen; its address is handed to them",
+        help="also run a circuit-relay v2 hop (python -m node.p2p.relay_main) on --host for"
+        " nodes started with --no-listen; its address is handed to them",
     )  # fmt: skip
     p.add_argument("--relay-port", type=int, help="relay listen port (default 0: OS-chosen)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")

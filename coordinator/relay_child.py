@@ -1,8 +1,14 @@
 """`agora-coordinator --relay`: a circuit-relay v2 hop as a child process.
 
-The coordinator never imports libp2p (DESIGN.md section 3), so the relay runs as
-`python -m node.p2p.relay` beside it. This module starts it, reads the multiaddr it
+The coordinator never imports libp2p, torch or `node`, so the relay runs as
+`python -m node.p2p.relay_main` beside it. This module starts it, reads the multiaddr it
 prints, forwards its output to the log, and stops it with the coordinator.
+
+Naming a `node` module here is the one deliberate exception to "coordinator and node
+never depend on each other": the coordinator runs it as a separate interpreter and only
+reads its stdout. `--relay` therefore needs the node extra installed (`agora[node]`, for
+libp2p and trio); the coordinator's own closure stays free of it.
+tests/test_layering.py lists this module string as the single allowed crossing.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ class RelayStartError(RuntimeError):
 
 
 class RelayChild:
-    """A running `python -m node.p2p.relay`; `addrs` are the multiaddrs it printed."""
+    """A running `python -m node.p2p.relay_main`; `addrs` are the multiaddrs it printed."""
 
     def __init__(self, proc: asyncio.subprocess.Process, addrs: list[str]) -> None:
         self.proc = proc
@@ -48,7 +54,7 @@ class RelayChild:
         except ValueError:
             raise ValueError(f"--relay needs an IP listen address, got host {host!r}") from None
         args = [
-            "-m", "node.p2p.relay",
+            "-m", "node.p2p.relay_main",
             "--listen", f"/ip{version}/{host}/tcp/{port}",
             "--identity", str(identity),
             *(["--announce", announce] if announce else []),

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from coordinator.facilities import FacilityBook, PlacementPolicy  # issue 7
+from coordinator.facilities import FacilityBook, PlacementPolicy
 from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError
 from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
@@ -24,7 +24,7 @@ from protocol import control as c
 from protocol.codec import decode
 from protocol.corpus import Manifest, ShardInfo
 from protocol.errors import ProtocolError
-from protocol.launch import FacilityReport  # issue 7
+from protocol.launch import FacilityReport
 from protocol.message import Message
 from protocol.signing import ReplayGuard, SignedRequest, signed_bytes
 
@@ -96,7 +96,7 @@ class Service:
         self.shards.update({s.shard_id: s for s in manifest.heldout})
         self.progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=120)
         self.committed_total = 0  # tokens committed since start (for the rate estimate)
-        # queue-aware placement across HPC facilities (coordinator/facilities.py, issue 7)
+        # queue-aware placement across HPC facilities (coordinator/facilities.py)
         self.facilities = FacilityBook(PlacementPolicy.from_config(cfg), cfg)
         self._handlers: dict[type[Message], Callable[..., Message]] = {
             c.HeartbeatRequest: self._heartbeat,
@@ -164,7 +164,7 @@ class Service:
         if isinstance(body, c.StatusRequest):
             return self.status(now)
         peer_id = self.peer_ids(key)
-        if isinstance(body, FacilityReport):  # launcher on a login node (issue 7)
+        if isinstance(body, FacilityReport):  # launcher on a login node
             return self.facilities.handle(peer_id, body, now)
         if isinstance(body, c.JoinRequest):
             return self._join(key, peer_id, body, host, now)

@@ -1,7 +1,10 @@
 """The torch side of the data path: corpus bytes -> token batches.
 
-The byte-exact dataset contract (corpus order, shards, sha256, held-out split) lives in
-`protocol.corpus`; this module turns bytes into int64 tensors:
+The byte-exact dataset contract (corpus layout, shards, sha256, held-out split) lives in
+`protocol.corpus`; this module reads the node's copy of the corpus and turns bytes into
+int64 tensors:
+- `stdlib_corpus()` and `read_user_dataset(path)` read the files and lay them out with
+  `protocol.corpus` (coordinator.dataset holds the coordinator's twin of these two).
 - `load_dataset(path)` reads the embedded stdlib corpus (path None) or a user dataset and
   cuts it into a `protocol.corpus.Manifest` with its train and held-out bytes.
 - `RandomBatches` samples training windows from the training shards (central runs).
@@ -13,7 +16,8 @@ A batch is `(inputs, targets)`, both int64 [B, T]; targets are the inputs shifte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +28,12 @@ from protocol.corpus import (
     DEFAULT_SHARD_TOKENS,
     Manifest,
     build_manifest,
-    read_user_dataset,
+    embedded_corpus,
+    is_stdlib_source,
+    jsonl_corpus,
     shard_data,
-    stdlib_corpus,
+    text_files_corpus,
+    user_dataset_layout,
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -39,6 +46,29 @@ class Dataset:
     train: torch.Tensor  # uint8, the training shards concatenated (tokens)
     heldout: torch.Tensor  # uint8, the held-out shards concatenated (tokens)
     data: bytes  # the whole corpus
+
+
+def _read_tree(
+    root: Path, keep: Callable[[str], bool] = lambda rel: True
+) -> list[tuple[str, bytes]]:
+    """(POSIX path relative to `root`, bytes) of every file under `root` that `keep` accepts."""
+    found = ((p.relative_to(root).as_posix(), p) for p in root.rglob("*"))
+    return [(rel, p.read_bytes()) for rel, p in found if keep(rel) and p.is_file()]
+
+
+def stdlib_corpus(root: Path | None = None) -> bytes:
+    """The embedded corpus, read from this Python's standard library (or `root`)."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    return embedded_corpus(_read_tree(base, is_stdlib_source))
+
+
+def read_user_dataset(path: Path) -> bytes:
+    """A directory of text files (sorted, recursive) or a .jsonl with a `text` field."""
+    path = Path(path)
+    if user_dataset_layout(path.name, is_dir=path.is_dir(), where=str(path)) == "text files":
+        return text_files_corpus(_read_tree(path), where=str(path))
+    with path.open("rb") as lines:
+        return jsonl_corpus(lines, where=str(path))
 
 
 def _as_tensor(chunk: bytes) -> torch.Tensor:

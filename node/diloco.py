@@ -18,7 +18,7 @@ import torch
 
 @dataclass(kw_only=True, slots=True)
 class DilocoConfig:
-    """Outer optimizer settings (DESIGN.md section 6)."""
+    """Outer optimizer settings: the outer step, robust averaging and staleness."""
 
     eta: float = 0.7  # outer learning rate (dimensionless)
     mu: float = 0.9  # outer Nesterov momentum (dimensionless)

@@ -1,15 +1,16 @@
-"""`agora export`: assemble the full model from stage checkpoints and write the export format.
+"""`agora export`: the command that assembles the full model and writes the export format.
 
-`agora export --checkpoints DIR [DIR ...] --out OUT` reads every `stage{K}.safetensors`
-(node.checkpoint) in the directories, checks they belong to one run (same run id,
-preset, seed and stage count) and that every stage is present, takes the newest round of
-each stage when several replicas wrote one, and writes `OUT/model.safetensors` +
-`OUT/config.json` (node.model's export format). `agora baseline --init OUT --eval-only`
-then evaluates it on the held-out set.
+`agora export --checkpoints DIR [DIR ...] --out OUT` assembles it from stage checkpoint
+files (node.export_assembly: one run, every stage, the newest round of each) and writes
+`OUT/model.safetensors` + `OUT/config.json` (node.model's export format).
+`agora baseline --init OUT --eval-only` then evaluates it on the held-out set.
 
 `agora export --coordinator HOST:PORT --out OUT` assembles the same from the live stage
 replicas of a running swarm instead (node.export_live): it joins the run as an observer,
 downloads each stage's newest global state over `/agora/state/1` and leaves.
+
+This module only parses, dispatches and reports; `export_checkpoints` stays importable
+from here for callers of the checkpoint path.
 """
 
 from __future__ import annotations
@@ -19,107 +20,13 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from node.checkpoint import Checkpoint, CheckpointError, find_checkpoints, read_checkpoint
-from node.model import ModelConfig, Stage, build_model, load_stage_weights, preset, save_export
+from node.export_assembly import Assembled, ExportError
+from node.export_assembly import export_checkpoints as export_checkpoints  # re-exported
 from protocol.state import CHUNK_ELEMENTS
 
 log = logging.getLogger(__name__)
-
-
-class ExportError(ValueError):
-    """The stage states cannot be assembled into one model (the message says why)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Assembled:
-    config: ModelConfig
-    model: Stage  # the whole model (node.model.build_model) holding the stages' weights
-    run_id: str
-    rounds: dict[int, int]  # stage -> outer round of the state used
-    sources: dict[int, str]  # stage -> file it came from
-
-
-def choose_stages(checkpoints: Sequence[Checkpoint]) -> dict[int, Checkpoint]:
-    """One checkpoint per stage (the newest round), after checking they form one run."""
-    if not checkpoints:
-        raise ExportError("no stage checkpoints found")
-    first = checkpoints[0].meta
-    for ck in checkpoints[1:]:
-        m = ck.meta
-        for name in ("run_id", "preset", "seed", "n_stages"):
-            if getattr(m, name) != getattr(first, name):
-                raise ExportError(
-                    f"{ck.path} is from another run: {name}={getattr(m, name)!r}, but"
-                    f" {checkpoints[0].path} has {getattr(first, name)!r}"
-                )
-    best: dict[int, Checkpoint] = {}
-    for ck in checkpoints:
-        have = best.get(ck.meta.stage)
-        if have is None or ck.meta.round > have.meta.round:
-            best[ck.meta.stage] = ck
-    missing = sorted(set(range(first.n_stages)) - set(best))
-    if missing:
-        raise ExportError(
-            f"run {first.run_id!r} has {first.n_stages} stages; no checkpoint of stage(s)"
-            f" {missing} among {len(checkpoints)} file(s)"
-        )
-    return best
-
-
-def assemble(states: dict[int, dict[str, torch.Tensor]], config: ModelConfig) -> Stage:
-    """The whole model from per-stage tensors (global names); shapes and coverage checked."""
-    model = build_model(config)
-    union: dict[str, torch.Tensor] = {}
-    for stage, tensors in sorted(states.items()):
-        overlap = set(union) & set(tensors)
-        if overlap:
-            raise ExportError(
-                f"stage {stage} repeats tensors of another stage: {sorted(overlap)[:3]}"
-            )
-        union.update(tensors)
-    extra = set(union) - set(model.state_dict())
-    if extra:
-        raise ExportError(f"tensors not in the {config} model: {sorted(extra)[:3]}")
-    try:
-        load_stage_weights(model, union)
-    except ValueError as exc:
-        raise ExportError(str(exc)) from exc
-    return model
-
-
-def assemble_checkpoints(paths: Sequence[Path]) -> Assembled:
-    """Read the checkpoints in `paths` (directories or files) and build the whole model."""
-    try:
-        checkpoints = [read_checkpoint(p) for p in find_checkpoints(paths)]
-    except CheckpointError as exc:
-        raise ExportError(str(exc)) from exc
-    chosen = choose_stages(checkpoints)
-    meta = chosen[0].meta
-    try:
-        config = preset(meta.preset).replace(seed=meta.seed)
-    except ValueError as exc:
-        raise ExportError(f"{chosen[0].path}: {exc}") from exc
-    model = assemble({s: ck.tensors for s, ck in chosen.items()}, config)
-    return Assembled(
-        config=config,
-        model=model,
-        run_id=meta.run_id,
-        rounds={s: ck.meta.round for s, ck in sorted(chosen.items())},
-        sources={s: str(ck.path) for s, ck in sorted(chosen.items())},
-    )
-
-
-def export_checkpoints(paths: Sequence[Path], out: Path) -> Assembled:
-    """`assemble_checkpoints` and write the export format to `out`."""
-    got = assemble_checkpoints(paths)
-    save_export(got.model, got.config, out)
-    return got
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -182,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export_live(args: argparse.Namespace) -> Assembled:
+    # imported on use: the checkpoint path then loads neither trio nor libp2p
     from node.export_live import LiveOptions, export_live
 
     opts = LiveOptions(

@@ -9,10 +9,11 @@ The exporter is a short-lived member of the run:
    deadline; the replica with the newest outer round is the source, the others are
    fallbacks should it fail mid-download;
 3. it downloads the stage's flat state chunk by chunk (starting again when the served
-   round or copy changes between chunks), leaves the run, and reuses node.export's
-   assembly: the flat vector is cut per parameter in `model.parameters()` order of
-   `build_stage(config, stage, n_stages)` (node.checkpoint `split_flat`), the stages
-   are joined into the whole model and written as `model.safetensors` + `config.json`.
+   round or copy changes between chunks), leaves the run, and reuses the checkpoint
+   path's assembly (node.export_assembly): the flat vector is cut per parameter in
+   `model.parameters()` order of `build_stage(config, stage, n_stages)` (node.checkpoint
+   `split_flat`), the stages are joined into the whole model and written as
+   `model.safetensors` + `config.json`.
 
 Every wait has a deadline, and a timeout names the setting that bounds it.
 """
@@ -36,7 +37,7 @@ from node.coordinator_client import (
     CoordinatorError,
     CoordinatorUnavailable,
 )
-from node.export import Assembled, ExportError, assemble
+from node.export_assembly import Assembled, ExportError, assemble
 from node.model import ModelConfig, build_stage, preset, save_export
 from node.p2p.host import Libp2pTransport
 from node.p2p.transport import P2PConfig, RequestRefused, TransportError
@@ -360,7 +361,7 @@ async def _fetch_stages(
 
 
 def assemble_live(run: RunInfo, states: dict[int, StageState]) -> Assembled:
-    """The whole model from the downloaded flat stage states (node.export `assemble`)."""
+    """The whole model from the downloaded flat stage states (node.export_assembly `assemble`)."""
     config = model_config(run)
     tensors: dict[int, dict[str, torch.Tensor]] = {}
     for stage, st in sorted(states.items()):

@@ -8,10 +8,12 @@ a bounded activation cache. The trio side calls:
   the loss and its backward at once and returns `(encoded input gradient, loss)`.
 - `backward(mb_id, tokens, hidden, grad)`: finish a micro-batch with the gradient from
   the next stage. A cache miss (evicted, or a retry served by another replica)
-  recomputes the forward from the encoded input the caller still holds: the stateless
-  fallback of DESIGN.md section 5. So does a cache entry older than the last inner step
-  (the weights it was computed with have changed in place): the gradient is then taken
-  at the current weights, against a downstream gradient computed one step earlier.
+  recomputes the forward from the encoded input the caller still holds (the backward
+  message carries it, a few bytes per token, so any live replica can finish the
+  micro-batch; the cache is only the fast path). So does a cache entry older than the
+  last inner step (the weights it was computed with have changed in place): the gradient
+  is then taken at the current weights, against a downstream gradient computed one step
+  earlier.
 - `drop(mb_id)`: forget a micro-batch whose route failed.
 
 Gradients of finished micro-batches accumulate until `inner_batch_tokens` tokens have

@@ -1,4 +1,4 @@
-"""Control-plane messages between nodes and the coordinator (DESIGN.md section 7).
+"""Control-plane messages between nodes and the coordinator.
 
 Transport: one TCP connection, frames of `protocol.framing` (4-byte length + msgpack).
 Every request frame is a `protocol.signing.SignedRequest` whose `body` is one of the

@@ -2,17 +2,21 @@
 
 Tokens are bytes (vocabulary 256). The embedded corpus is the running Python's own
 standard-library source in sorted path order, so two machines with different Pythons get
-different content hashes and notice. A corpus is cut into fixed-size shards; every
-`heldout_every`-th shard is held out and never trained on. This module reads files but
-owns no sockets, event loop or torch.
+different content hashes and notice. A user dataset is a directory of text files or a
+.jsonl file of `{"text": ...}` records. A corpus is cut into fixed-size shards; every
+`heldout_every`-th shard is held out and never trained on.
+
+Pure: the corpus layouts are functions over (relative path, bytes) pairs and lines, and
+the reading of files lives with each side (node.data, coordinator.dataset), which pass
+what they read through these functions. docs/data-path.md follows the bytes further.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sysconfig
-from pathlib import Path
+from collections.abc import Iterable
+from typing import Literal
 
 from protocol.errors import ProtocolError
 from protocol.message import Message, bounded, message, record
@@ -46,53 +50,71 @@ class Manifest(Message):
         raise KeyError(f"no training shard {shard_id} in manifest {self.name!r}")
 
 
-def stdlib_sources(root: Path | None = None) -> list[Path]:
-    """The standard-library .py files, sorted, with tests and site-packages left out."""
-    base = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [
-        p for p in base.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(base).parts[:-1])
-    ]
-    return sorted(files, key=lambda p: p.relative_to(base).as_posix())
+def is_stdlib_source(relpath: str) -> bool:
+    """Whether a stdlib file (POSIX path relative to the stdlib root) enters the corpus.
+
+    Python sources only; tests, site-packages and caches are left out.
+    """
+    *dirs, name = relpath.split("/")
+    return name.endswith(".py") and not _SKIP_DIRS.intersection(dirs)
 
 
-def stdlib_corpus(root: Path | None = None) -> bytes:
-    """The embedded corpus: every stdlib source file, each preceded by its path."""
-    base = Path(root or sysconfig.get_paths()["stdlib"])
+def embedded_corpus(sources: Iterable[tuple[str, bytes]]) -> bytes:
+    """The embedded corpus from (relative path, bytes) pairs of the stdlib's files.
+
+    Keeps the pairs `is_stdlib_source` accepts, sorts them by path string, and writes
+    each as a `# ==== <path> ====` line, its bytes and a newline.
+    """
     parts = []
-    for p in stdlib_sources(base):
-        parts.append(f"# ==== {p.relative_to(base).as_posix()} ====\n".encode())
-        parts.append(p.read_bytes())
+    for rel, data in sorted((s for s in sources if is_stdlib_source(s[0])), key=lambda s: s[0]):
+        parts.append(f"# ==== {rel} ====\n".encode())
+        parts.append(data)
         parts.append(b"\n")
     return b"".join(parts)
 
 
-def read_user_dataset(path: Path) -> bytes:
-    """A directory of text files (sorted, recursive) or a .jsonl with a `text` field."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-        if not files:
-            raise ValueError(f"dataset directory {path} holds no files")
-        return b"\n".join(p.read_bytes() for p in files)
-    if path.suffix == ".jsonl":
-        out = []
-        with path.open("rb") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise ValueError(
-                        f"{path}:{lineno}: expected a JSON object with 'text'"
-                    ) from exc
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: 'text' must be a string")
-                out.append(text.encode())
-        if not out:
-            raise ValueError(f"dataset {path} holds no records")
-        return b"\n".join(out)
-    raise ValueError(f"dataset {path} must be a directory of text files or a .jsonl file")
+def user_dataset_layout(name: str, *, is_dir: bool, where: str) -> Literal["text files", "jsonl"]:
+    """How a user dataset called `name` is read: a directory of text files or a .jsonl file.
+
+    `where` names the dataset in the error raised for anything else.
+    """
+    if is_dir:
+        return "text files"
+    if name.endswith(".jsonl"):
+        return "jsonl"
+    raise ValueError(f"dataset {where} must be a directory of text files or a .jsonl file")
+
+
+def text_files_corpus(files: Iterable[tuple[str, bytes]], *, where: str) -> bytes:
+    """A directory dataset from its files' (relative path, bytes): sorted, joined by newlines.
+
+    Paths sort component by component (as `pathlib` orders them), so `a/b` precedes `a-b`.
+    """
+    ordered = sorted(files, key=lambda f: f[0].split("/"))
+    if not ordered:
+        raise ValueError(f"dataset directory {where} holds no files")
+    return b"\n".join(data for _, data in ordered)
+
+
+def jsonl_corpus(lines: Iterable[bytes], *, where: str) -> bytes:
+    """A .jsonl dataset from its lines: each record's `text` (a string), joined by newlines.
+
+    Blank lines are skipped; a malformed record raises ValueError naming `where:line`.
+    """
+    out = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{where}:{lineno}: expected a JSON object with 'text'") from exc
+        if not isinstance(text, str):
+            raise ValueError(f"{where}:{lineno}: 'text' must be a string")
+        out.append(text.encode())
+    if not out:
+        raise ValueError(f"dataset {where} holds no records")
+    return b"\n".join(out)
 
 
 def build_manifest(

@@ -1,5 +1,5 @@
 """Messages between `agora launch` (a launcher on a cluster login node) and the
-coordinator: queue-aware placement across facilities (DESIGN.md section 7).
+coordinator: queue-aware placement across facilities (coordinator.facilities).
 
 A launcher signs a `FacilityReport` with its own key (membership is not required; in
 auth mode "token" it must carry the run's join token, in "allowlist" its peer id must be

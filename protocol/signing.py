@@ -8,7 +8,7 @@ caller passes the current time.
 
 from __future__ import annotations
 
-import os
+import secrets
 import struct
 from collections import OrderedDict
 
@@ -36,7 +36,7 @@ def signed_bytes(key: bytes, ts: float, nonce: bytes, body: bytes) -> bytes:
 
 def sign_request(node_key: NodeKey, body: Message, *, now: float) -> SignedRequest:
     raw = encode(body)
-    nonce = os.urandom(NONCE_SIZE)
+    nonce = secrets.token_bytes(NONCE_SIZE)
     sig = node_key.sign(signed_bytes(node_key.public_key, now, nonce, raw))
     return SignedRequest(key=node_key.public_key, ts=now, nonce=nonce, body=raw, sig=sig)
 

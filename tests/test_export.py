@@ -18,7 +18,8 @@ import torch
 from node.baseline import evaluate_weights
 from node.checkpoint import stage_checkpointer
 from node.data import load_dataset
-from node.export import ExportError, assemble_checkpoints, export_checkpoints, main
+from node.export import main
+from node.export_assembly import ExportError, assemble_checkpoints, export_checkpoints
 from node.model import Stage, build_stage, load_export, preset
 from node.subspace import project_
 from node.swarm import LocalSwarm, child_env

@@ -25,7 +25,8 @@ import trio
 
 from node.config import NodeConfig
 from node.p2p.host import Libp2pTransport
-from node.p2p.relay import RelayAddressError, announced_addrs, parse_relay_addr
+from node.p2p.relay import RelayAddressError, parse_relay_addr
+from node.p2p.relay_main import announced_addrs
 from node.p2p.transport import P2PConfig
 from node.swarm import LocalSwarm, child_env
 from protocol.dataplane import Echo

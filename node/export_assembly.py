@@ -1,0 +1,114 @@
+"""Assemble the whole model from per-stage states, and from stage checkpoint files.
+
+Shared by both ways `agora export` gets its states (node.export is the command):
+- `assemble` joins per-stage tensors (global names) into the whole model
+  (node.model.build_model), checking that no tensor repeats, none is foreign and every
+  shape fits; the live path (node.export_live) feeds it states downloaded from replicas.
+- `assemble_checkpoints` reads every `stage{K}.safetensors` (node.checkpoint) in the
+  given directories, checks they belong to one run (same run id, preset, seed and stage
+  count) and that every stage is present, and takes the newest round of each stage when
+  several replicas wrote one (`choose_stages`).
+- `export_checkpoints` also writes `OUT/model.safetensors` + `OUT/config.json`
+  (node.model's export format).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from node.checkpoint import Checkpoint, CheckpointError, find_checkpoints, read_checkpoint
+from node.model import ModelConfig, Stage, build_model, load_stage_weights, preset, save_export
+
+
+class ExportError(ValueError):
+    """The stage states cannot be assembled into one model (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    config: ModelConfig
+    model: Stage  # the whole model (node.model.build_model) holding the stages' weights
+    run_id: str
+    rounds: dict[int, int]  # stage -> outer round of the state used
+    sources: dict[int, str]  # stage -> file it came from
+
+
+def choose_stages(checkpoints: Sequence[Checkpoint]) -> dict[int, Checkpoint]:
+    """One checkpoint per stage (the newest round), after checking they form one run."""
+    if not checkpoints:
+        raise ExportError("no stage checkpoints found")
+    first = checkpoints[0].meta
+    for ck in checkpoints[1:]:
+        m = ck.meta
+        for name in ("run_id", "preset", "seed", "n_stages"):
+            if getattr(m, name) != getattr(first, name):
+                raise ExportError(
+                    f"{ck.path} is from another run: {name}={getattr(m, name)!r}, but"
+                    f" {checkpoints[0].path} has {getattr(first, name)!r}"
+                )
+    best: dict[int, Checkpoint] = {}
+    for ck in checkpoints:
+        have = best.get(ck.meta.stage)
+        if have is None or ck.meta.round > have.meta.round:
+            best[ck.meta.stage] = ck
+    missing = sorted(set(range(first.n_stages)) - set(best))
+    if missing:
+        raise ExportError(
+            f"run {first.run_id!r} has {first.n_stages} stages; no checkpoint of stage(s)"
+            f" {missing} among {len(checkpoints)} file(s)"
+        )
+    return best
+
+
+def assemble(states: dict[int, dict[str, torch.Tensor]], config: ModelConfig) -> Stage:
+    """The whole model from per-stage tensors (global names); shapes and coverage checked."""
+    model = build_model(config)
+    union: dict[str, torch.Tensor] = {}
+    for stage, tensors in sorted(states.items()):
+        overlap = set(union) & set(tensors)
+        if overlap:
+            raise ExportError(
+                f"stage {stage} repeats tensors of another stage: {sorted(overlap)[:3]}"
+            )
+        union.update(tensors)
+    extra = set(union) - set(model.state_dict())
+    if extra:
+        raise ExportError(f"tensors not in the {config} model: {sorted(extra)[:3]}")
+    try:
+        load_stage_weights(model, union)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from exc
+    return model
+
+
+def assemble_checkpoints(paths: Sequence[Path]) -> Assembled:
+    """Read the checkpoints in `paths` (directories or files) and build the whole model."""
+    try:
+        checkpoints = [read_checkpoint(p) for p in find_checkpoints(paths)]
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from exc
+    chosen = choose_stages(checkpoints)
+    meta = chosen[0].meta
+    try:
+        config = preset(meta.preset).replace(seed=meta.seed)
+    except ValueError as exc:
+        raise ExportError(f"{chosen[0].path}: {exc}") from exc
+    model = assemble({s: ck.tensors for s, ck in chosen.items()}, config)
+    return Assembled(
+        config=config,
+        model=model,
+        run_id=meta.run_id,
+        rounds={s: ck.meta.round for s, ck in sorted(chosen.items())},
+        sources={s: str(ck.path) for s, ck in sorted(chosen.items())},
+    )
+
+
+def export_checkpoints(paths: Sequence[Path], out: Path) -> Assembled:
+    """`assemble_checkpoints` and write the export format to `out`."""
+    got = assemble_checkpoints(paths)
+    save_export(got.model, got.config, out)
+    return got
