@@ -332,8 +332,8 @@ class BoundaryCodec:
             return decode_int8(enc, shape)
         assert self.subspace is not None
         coeffs = decode_coefficients(enc, self.codec, shape, self.subspace.rank, backward=backward)
-        if backward:
-            return self.subspace.expand_grad(coeffs)
+        if backward:  # finite coefficients can still overflow when expanded
+            return _finite(self.subspace.expand_grad(coeffs), self.codec)
         if tokens.dtype != torch.int64 or bool(((tokens < 0) | (tokens > 255)).any()):
             raise ProtocolError("tokens must be int64 bytes 0..255")
         return _finite(self.subspace.reconstruct(coeffs, tokens), self.codec)

@@ -128,7 +128,8 @@ async def _run(cfg: NodeConfig, key: NodeKey, device: str) -> int:
     except ValueError as exc:
         print(f"agora-node: {exc}", file=sys.stderr)
         return 2
-    transport = Libp2pTransport(key, p2p)
+    # Nobody is served until the node knows the run's members (Node.run sets the filter).
+    transport = Libp2pTransport(key, p2p, allow=lambda _peer: False)
     host, port = cfg.coordinator_addr
     async with transport.run(), CoordinatorClient(host, port, key) as client:
         node = Node(cfg, transport, client, device=device)

@@ -6,7 +6,9 @@ many replicas its stage has, and whose DHT its outer loop should join. Observers
 are admitted, but they are on no stage: never routed to, bootstrapped from or counted as
 replicas. Updating the view tells the transport the new peers' addresses and lets the
 router forget peers that left; `follow` refreshes it from the coordinator (a delta since
-the version held) until cancelled.
+the version held) until cancelled. Entries come from other participants: a member whose
+addresses or DHT addresses do not parse is left out of the view (logged once), so one bad
+entry costs that member, never this node.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 
 import trio
+from multiaddr import Multiaddr
 
 from node.coordinator_client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from node.p2p.transport import Transport
@@ -30,6 +33,7 @@ class PeerView:
         self.stage = stage  # this node's stage
         self.members: dict[str, PeerInfo] = {}
         self.version = 0  # the coordinator's membership version of `members`
+        self.rejected: dict[str, str] = {}  # peer id -> why its entry was left out
 
     @property
     def me(self) -> str:
@@ -57,12 +61,18 @@ class PeerView:
                 log.debug("node: membership refresh failed: %s", exc)
 
     def update(self, version: int, peers: dict[str, PeerInfo]) -> None:
-        """Adopt the coordinator's view at `version`."""
-        for peer in peers.values():
-            if peer.addrs and peer.peer_id not in self.members:
-                self.transport.add_peer_addrs(peer.peer_id, peer.addrs)
+        """Adopt the coordinator's view at `version`, without the entries that do not parse."""
+        valid = {}
+        for peer_id, peer in peers.items():
+            problem = self._admit(peer, new=peer_id not in self.members)
+            if problem is None:
+                valid[peer_id] = peer
+            elif self.rejected.get(peer_id) != problem:
+                log.warning("node: leaving member %s out of the view: %s", peer_id[:80], problem)
+                self.rejected[peer_id] = problem
+        self.rejected = {p: why for p, why in self.rejected.items() if p in peers}
         before = set(self.next_stage_peers())
-        self.members = dict(peers)
+        self.members = valid
         self.version = version
         self.router.forget(set(self.members))
         after = set(self.next_stage_peers())
@@ -71,6 +81,18 @@ class PeerView:
                 "node: membership v%d: %d peers on stage %d (+%d, -%d)",
                 version, len(after), self.stage + 1, len(after - before), len(before - after),
             )  # fmt: skip
+
+    def _admit(self, peer: PeerInfo, *, new: bool) -> str | None:
+        """Check a member's DHT addresses (they may change) and tell the transport where a
+        new member listens; why it cannot be admitted, if it cannot."""
+        try:
+            for addr in peer.dht_addrs:
+                Multiaddr(addr)
+            if new and peer.addrs:
+                self.transport.add_peer_addrs(peer.peer_id, peer.addrs)
+        except ValueError as exc:
+            return f"bad address: {str(exc)[:200]}"
+        return None
 
     def _on_stage(self, stage: int) -> list[PeerInfo]:
         return [p for p in self.members.values() if p.stage == stage and not p.observer]

@@ -5,9 +5,13 @@ activations) and comes back as a `Backward` (the compressed input gradient and t
 Stage 0 calls `run_microbatch`, which retries a failed route on another peer; every
 other stage serves `/agora/fwd/1` with `serve_forward`, which runs its forward, passes
 the micro-batch on (or computes the loss on the last stage) and answers with the
-gradient of its own input. A peer that fails or times out is avoided for a while
-(`node.routing.Router`). All torch work runs on the node's one `TorchWorker` thread; the
-hop also moves the codecs' byte counts and trained tokens into the metrics.
+gradient of its own input. A peer that fails, times out or answers with a gradient that
+does not decode (malformed, NaN, Inf) is avoided for a while (`node.routing.Router`), and
+the micro-batch goes another way. Forwards are served only to members of the previous
+stage, and what a sender computes here is cached under its own peer id, so one member
+cannot replace another's activations. All torch work runs on the node's one
+`TorchWorker` thread; the hop also moves the codecs' byte counts and trained tokens into
+the metrics.
 """
 
 from __future__ import annotations
@@ -96,9 +100,7 @@ class PipelineHop:
             if not isinstance(reply, Backward) or reply.mb_id != mb_id:
                 raise TransportError(f"peer {peer} answered {type(reply).__name__}", peer_id=peer)
         except TransportError as exc:
-            ban = self.router.failed(peer, trio.current_time())
-            log.warning("node: %s failed via %s (%s); avoiding it for %.0fs", mb_id, peer, exc, ban)
-            self.events.emit("forward_failed", mb_id=mb_id, peer=peer, error=str(exc)[:200])
+            self._failed(peer, mb_id, exc)
             return None
         finally:
             metrics.IN_FLIGHT.dec()
@@ -106,6 +108,24 @@ class PipelineHop:
         self.router.succeeded(peer, elapsed, trio.current_time())
         metrics.MB_SECONDS.observe(elapsed)
         return reply
+
+    def _failed(self, peer: str, mb_id: str, exc: Exception) -> None:
+        ban = self.router.failed(peer, trio.current_time())
+        log.warning("node: %s failed via %s (%s); avoiding it for %.0fs", mb_id, peer, exc, ban)
+        self.events.emit("forward_failed", mb_id=mb_id, peer=peer, error=str(exc)[:200])
+
+    async def _backward(
+        self, peer: str, key: str, rows: np.ndarray, hidden: EncodedTensor | None, reply: Backward
+    ) -> tuple[bool, EncodedTensor | None]:
+        """Backward with the gradient `peer` answered; (False, None) when it does not
+        decode (the peer is then avoided, like one that failed)."""
+        assert self.compute is not None
+        try:
+            grad_in = await self.worker.run(self.compute.backward, key, rows, hidden, reply.grad)
+        except ProtocolError as exc:
+            self._failed(peer, reply.mb_id, exc)
+            return False, None
+        return True, grad_in
 
     async def run_microbatch(
         self, mb_id: str, rows: np.ndarray, give_up: Callable[[int], bool]
@@ -127,8 +147,7 @@ class PipelineHop:
                 reply = await self.send_forward(
                     peer, mb_id, tokens, hidden, [self.transport.peer_id]
                 )
-                if reply is not None:
-                    await self.worker.run(compute.backward, mb_id, rows, None, reply.grad)
+                if reply is not None and (await self._backward(peer, mb_id, rows, None, reply))[0]:
                     self._account(rows)
                     return reply.loss
                 await self.worker.run(compute.drop, mb_id)
@@ -148,28 +167,33 @@ class PipelineHop:
         compute = self.compute
         if compute is None or compute.is_first:
             raise ProtocolError("this peer serves stage 0, which takes no forward input")
+        sender = self.peers.members.get(peer_id)
+        if sender is None or sender.observer or sender.stage != self.peers.stage - 1:
+            raise ProtocolError(f"forwards come from stage {self.peers.stage - 1} members only")
+        key = f"{peer_id}/{msg.mb_id}"  # the sender's own cache entry
         rows = msg.tokens.to_numpy(expect_dtype="uint8", expect_shape=(None, None))
         max_seq = compute.model.config.max_seq_len
         if not 1 <= rows.shape[0] <= MAX_ROWS or not 2 <= rows.shape[1] <= max_seq + 1:
             raise ProtocolError(f"token block of shape {list(rows.shape)} is out of bounds")
         if compute.is_last:
-            grad, loss = await self.worker.run(compute.forward, msg.mb_id, rows, msg.hidden)  # type: ignore[misc]
+            grad, loss = await self.worker.run(compute.forward, key, rows, msg.hidden)  # type: ignore[misc]
             assert grad is not None
             self._account(rows)
             return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=rows.size - rows.shape[0])
-        hidden = await self.worker.run(compute.forward, msg.mb_id, rows, msg.hidden)
+        hidden = await self.worker.run(compute.forward, key, rows, msg.hidden)
         assert isinstance(hidden, EncodedTensor)
         route = [*msg.route, self.transport.peer_id]
         tried: set[str] = set()
         with trio.fail_after(max(0.0, msg.deadline - time.time())):
-            reply = None
-            while reply is None:
+            while True:
                 peer = self.pick_next(tried)
                 if peer is not None:
                     reply = await self.send_forward(peer, msg.mb_id, msg.tokens, hidden, route)
-                if reply is None:
-                    await trio.sleep(RETRY_WAIT_S)
-        grad_in = await self.worker.run(compute.backward, msg.mb_id, rows, msg.hidden, reply.grad)
+                    if reply is not None:
+                        ok, grad_in = await self._backward(peer, key, rows, msg.hidden, reply)
+                        if ok:
+                            break
+                await trio.sleep(RETRY_WAIT_S)
         assert grad_in is not None
         self._account(None)
         return Backward(mb_id=msg.mb_id, grad=grad_in, loss=reply.loss, tokens=reply.tokens)

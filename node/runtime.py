@@ -115,21 +115,18 @@ class Node:
             self.transport, peers, self.worker, request_timeout_s=self.cfg.request_timeout_s,
             events=self.events,
         )  # fmt: skip
+        self.transport.set_membership(peers.is_member)  # nobody else is ever served
         try:
             async with trio.open_nursery() as nursery:
                 # Heartbeats start first: building the stage may take longer than the TTL.
                 nursery.start_soon(self._heartbeat_loop)
+                await self._refresh_members(peers)
                 # Serve forwards from now on: peers see this node in the membership view
                 # before its stage is built, and a forward that waits for the build is
                 # better than a refused protocol (which bans this node for a while).
                 self.transport.set_handler(FORWARD_PROTOCOL, hop.serve_forward)
-                await self._build_stage(peers, hop)
-                try:
-                    await peers.refresh(self.client)
-                except (CoordinatorError, CoordinatorUnavailable) as exc:
-                    # E.g. not_member: the membership lapsed while the stage was built
-                    # (the heartbeat loop re-joins); the membership loop retries.
-                    log.warning("node: first membership refresh failed: %s", exc)
+                await self._build_stage(hop)
+                await self._refresh_members(peers)
                 if self.stage == 0:
                     self.driver = self._stage0_driver(hop)
                 if self.cfg.outer_every_steps > 0:
@@ -159,7 +156,7 @@ class Node:
 
     # --- wiring ------------------------------------------------------------------------
 
-    async def _build_stage(self, peers: PeerView, hop: PipelineHop) -> None:
+    async def _build_stage(self, hop: PipelineHop) -> None:
         assert self.join is not None
         run = self.join.run
         model_cfg = preset(run.model_preset).replace(seed=run.seed)
@@ -192,8 +189,15 @@ class Node:
                                    run, self.stage, compute.model),
                 self.worker,
             )  # fmt: skip
-        self.transport.set_membership(peers.is_member)
         log.info("node: stage %d built; %.0f tokens/s measured", self.stage, self.throughput)
+
+    async def _refresh_members(self, peers: PeerView) -> None:
+        try:
+            await peers.refresh(self.client)
+        except (CoordinatorError, CoordinatorUnavailable) as exc:
+            # E.g. not_member: the membership lapsed while the stage was built (the
+            # heartbeat loop re-joins); the membership loop retries.
+            log.warning("node: membership refresh failed: %s", exc)
 
     def _stage0_driver(self, hop: PipelineHop) -> Stage0Driver:
         driver = Stage0Driver(

@@ -77,6 +77,7 @@ class StageCompute:
         self.weights_version = 0  # bumped whenever the weights change in place
         self.tokens_trained = 0  # tokens this replica has finished backward for
         self.recomputes = 0  # cache misses served by recomputation
+        self.skipped_steps = 0  # inner steps skipped for a non-finite gradient norm
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -173,11 +174,15 @@ class StageCompute:
             if p.grad is not None:
                 p.grad.mul_(scale)
         warm = min(1.0, (self.inner_steps + 1) / max(1, self.inner.warmup_steps))
-        inner_step([self.model], self.opt, lr=self.inner.lr * warm, grad_clip=self.inner.grad_clip)
-        self.inner_steps += 1
-        self.weights_version += 1
         self._pending_tokens = 0
         self._pending_mbs = 0
+        lr = self.inner.lr * warm
+        if not inner_step([self.model], self.opt, lr=lr, grad_clip=self.inner.grad_clip):
+            self.skipped_steps += 1
+            log.warning("stage: inner step skipped: the gradient norm is not finite")
+            return
+        self.inner_steps += 1
+        self.weights_version += 1
 
     # --- reporting ---------------------------------------------------------------------------
 

@@ -135,10 +135,14 @@ class Libp2pTransport:
         return self._host
 
     def add_peer_addrs(self, peer_id: str, addrs: Sequence[str]) -> None:
-        if addrs:
-            self._host.get_peerstore().add_addrs(
-                parse_peer_id(peer_id), [_strip_p2p(a) for a in addrs], ADDR_TTL
-            )
+        if not addrs:
+            return
+        try:
+            parsed = [_strip_p2p(a) for a in addrs]
+            pid = parse_peer_id(peer_id)
+        except (TransportError, ValueError) as exc:  # multiaddr's parse errors are ValueErrors
+            raise ValueError(f"peer {peer_id[:80]!r}: {exc}") from exc
+        self._host.get_peerstore().add_addrs(pid, parsed, ADDR_TTL)
 
     def set_membership(self, allow: MembershipFilter) -> None:
         """Serve only peers for which `allow(peer_id)` is true (the run's members)."""

@@ -73,7 +73,10 @@ class Transport(Protocol):
         """Bytes: the largest frame payload this transport sends or accepts."""
         ...
 
-    def add_peer_addrs(self, peer_id: str, addrs: Sequence[str]) -> None: ...
+    def add_peer_addrs(self, peer_id: str, addrs: Sequence[str]) -> None:
+        """Remember where `peer_id` listens; `ValueError` if an address or the id does not
+        parse (they come from other participants)."""
+        ...
 
     def set_handler(self, protocol_id: str, handler: Handler) -> None:
         """Serve `protocol_id` with `handler` (replacing any earlier one)."""

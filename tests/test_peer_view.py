@@ -1,0 +1,66 @@
+"""The peer view: routing candidates, replicas and the DHT root from the coordinator's
+membership, and members whose entries do not parse left out (one bad entry costs that
+member, never the node)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from node.p2p.host import Libp2pTransport
+from node.peer_view import PeerView
+from node.routing import Router
+from protocol.control import PeerInfo
+from protocol.identity import NodeKey
+
+
+def peer(stage: int, *, addrs: list[str] | None = None, dht: list[str] | None = None,
+         observer: bool = False) -> PeerInfo:  # fmt: skip
+    pid = NodeKey.generate().peer_id
+    return PeerInfo(
+        peer_id=pid, stage=stage, addrs=[f"/ip4/127.0.0.1/tcp/4001/p2p/{pid}"] if addrs is None
+        else addrs, dht_addrs=dht or [], device="cpu", throughput=0.0, observer=observer,
+    )  # fmt: skip
+
+
+def view(stage: int) -> PeerView:
+    return PeerView(Libp2pTransport(NodeKey.generate()), Router(), stage=stage)
+
+
+def test_next_stage_replicas_and_observers() -> None:
+    v = view(0)
+    me = PeerInfo(peer_id=v.me, stage=0, addrs=[], device="cpu", throughput=0.0)
+    a, b, other0 = peer(1), peer(1), peer(0)
+    watcher = peer(2, observer=True)
+    v.update(3, {p.peer_id: p for p in (me, a, b, other0, watcher)})
+    assert sorted(v.next_stage_peers()) == sorted([a.peer_id, b.peer_id])
+    assert v.replicas() == 2 and v.version == 3
+    assert v.is_member(watcher.peer_id)  # admitted on the data plane, on no stage
+    assert not v.other_replicas_have_dht()
+
+
+def test_members_with_bad_addresses_are_left_out_and_the_rest_kept() -> None:
+    v = view(0)
+    good = peer(1)
+    garbage = peer(1, addrs=["garbage"])
+    bad_dht = peer(1, dht=["/ip4/999.1.1.1/tcp/1"])
+    bad_id = PeerInfo(peer_id="not-a-peer-id", stage=1, addrs=["/ip4/127.0.0.1/tcp/1"],
+                      device="cpu", throughput=0.0)  # fmt: skip
+    members = {p.peer_id: p for p in (good, garbage, bad_dht, bad_id)}
+    v.update(1, members)
+    v.update(2, members)  # a second refresh changes nothing and logs nothing new
+    assert v.next_stage_peers() == [good.peer_id]
+    assert set(v.rejected) == {garbage.peer_id, bad_dht.peer_id, "not-a-peer-id"}
+    # a known member that later announces a bad DHT address is left out too
+    changed = dataclasses.replace(good, dht_addrs=["nonsense"])
+    v.update(3, {good.peer_id: changed})
+    assert v.next_stage_peers() == [] and list(v.rejected) == [good.peer_id]
+
+
+def test_dht_root_is_the_smallest_other_id_below_ours() -> None:
+    v = view(1)
+    others = [peer(0, dht=["/ip4/127.0.0.1/tcp/5000"]) for _ in range(4)]
+    v.update(1, {p.peer_id: p for p in others})
+    smallest = min(p.peer_id for p in others)
+    root = v.dht_root()
+    assert (root.peer_id if root else None) == (smallest if smallest < v.me else None)
+    assert len(v.dht_bootstrap()) == 4
