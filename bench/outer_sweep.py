@@ -182,13 +182,9 @@ def _wire(delta: torch.Tensor, codec: str) -> torch.Tensor:
     group averages, its own contribution included)."""
     if codec == "none":
         return delta
-    from hivemind.compression import CompressionInfo
+    from node.outer.wire import round_trip  # loads hivemind: only for runs that need it
 
-    from node.outer.averager import decode_tensor
-    from node.outer.process import WIRE
-
-    msg = WIRE[codec]().compress(delta, CompressionInfo.from_tensor(delta, key=0), False)
-    return decode_tensor(msg).to(torch.float32).flatten()
+    return round_trip(delta, codec)
 
 
 class LeaseQueue:
