@@ -42,6 +42,8 @@ from node.data import load_dataset
 from node.model import PRESETS
 from node.outer.contract import COMPRESSIONS
 
+_DEFAULT = Common()  # the defaults of the command line
+
 # --- the grid ------------------------------------------------------------------------------
 
 GRID_DEFAULTS: dict[str, list[Any]] = {
@@ -156,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run fractions of kill+join events in runs with churn (default 0.33,0.67;"
         " '' for none)",
     )  # fmt: skip
-    p.add_argument("--tokens", type=int, default=Common.tokens, help="tokens per run")
+    p.add_argument("--tokens", type=int, default=_DEFAULT.tokens, help="tokens per run")
     p.add_argument("--replicas", type=int, default=2, help="R (default 2)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--batch-size", type=int, default=16, help="central sequences per step")
@@ -165,8 +167,8 @@ def _parser() -> argparse.ArgumentParser:
         "--inner-batch-tokens", type=int, default=0,
         help="tokens per inner step per replica (default: central batch / R)",
     )  # fmt: skip
-    p.add_argument("--lr", type=float, default=Common.lr, help="inner and central peak lr")
-    p.add_argument("--warmup", type=int, default=Common.warmup, help="warm-up steps")
+    p.add_argument("--lr", type=float, default=_DEFAULT.lr, help="inner and central peak lr")
+    p.add_argument("--warmup", type=int, default=_DEFAULT.warmup, help="warm-up steps")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -270,7 +272,7 @@ def main(argv: list[str]) -> int:
             batch_size=args.batch_size, seq_len=args.seq_len,
             inner_batch_tokens=args.inner_batch_tokens, lr=args.lr, warmup=args.warmup,
             eval_batches=args.eval_batches, seed=args.seed,
-            kill_at=Common.kill_at if args.kill_at is None else tuple(args.kill_at),
+            kill_at=_DEFAULT.kill_at if args.kill_at is None else tuple(args.kill_at),
         )  # fmt: skip
         axes = _axes(args, args.grid)
         first = grid_stage_optimizer(axes) if args.grid else plain_settings(axes)

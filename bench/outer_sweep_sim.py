@@ -82,23 +82,23 @@ def _node_default(name: str) -> Any:
     return _NODE[name]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Common:
     """What every run of a sweep shares."""
 
-    preset: str = "tiny"
-    tokens: int = 204_800  # training tokens per run, rounded to whole rounds
-    replicas: int = 2  # R
-    batch_size: int = 16  # central sequences per step
-    seq_len: int = 128  # tokens per sequence
-    inner_batch_tokens: int = 0  # tokens per inner step per replica; 0 = central / R
-    lr: float = float(_node_default("lr"))  # inner and central peak lr
+    preset: str = "tiny"  # model preset (a name in node.model.PRESETS)
+    tokens: int = 204_800  # training tokens per run, rounded to whole rounds (tokens)
+    replicas: int = 2  # R, replicas of the stage group (replicas)
+    batch_size: int = 16  # central batch (sequences per step)
+    seq_len: int = 128  # sequence length (tokens)
+    inner_batch_tokens: int = 0  # per inner step per replica (tokens); 0 = central / R
+    lr: float = float(_node_default("lr"))  # inner and central peak lr (dimensionless)
     warmup: int = int(_node_default("warmup_steps"))  # inner and central warm-up (steps)
-    weight_decay: float = float(_node_default("weight_decay"))
-    min_lr_ratio: float = 0.1  # cosine floor (central run, and --inner-schedule cosine)
-    eval_batches: int = 16  # held-out batches of batch_size x seq_len
-    seed: int = 0
-    kill_at: tuple[float, ...] = (1 / 3, 2 / 3)  # kill+join fractions, in runs with churn
+    weight_decay: float = float(_node_default("weight_decay"))  # AdamW decay (dimensionless)
+    min_lr_ratio: float = 0.1  # cosine floor, central run and cosine inner lr (fraction)
+    eval_batches: int = 16  # held-out batches of batch_size x seq_len (batches)
+    seed: int = 0  # model, data and churn seed (integer)
+    kill_at: tuple[float, ...] = (1 / 3, 2 / 3)  # kill+join points in churn runs (run fraction)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -131,15 +131,15 @@ class Common:
 class Setting:
     """The knobs one run varies."""
 
-    eta: float = float(_node_default("outer_lr"))
-    mu: float = float(_node_default("outer_momentum"))
-    H: int = int(_node_default("outer_every_steps"))  # inner steps per round
-    p: float = float(_node_default("outer_participation_power"))
-    churn: float = 0.0  # probability a replica misses a round
-    data: str = "random"  # random | lease
-    inner_schedule: str = "constant"  # constant | cosine
-    outer_compression: str = "none"  # none | fp16 | uint8 (group rounds only)
-    stage: str = ""  # which part of the grid asked for it
+    eta: float = float(_node_default("outer_lr"))  # outer learning rate (dimensionless)
+    mu: float = float(_node_default("outer_momentum"))  # outer momentum (dimensionless)
+    H: int = int(_node_default("outer_every_steps"))  # inner steps per round (steps)
+    p: float = float(_node_default("outer_participation_power"))  # participation power (exponent)
+    churn: float = 0.0  # probability a replica misses a round (probability)
+    data: str = "random"  # random | lease (name)
+    inner_schedule: str = "constant"  # constant | cosine (name)
+    outer_compression: str = "none"  # none | fp16 | uint8, group rounds only (name)
+    stage: str = ""  # which part of the grid asked for it (label)
 
     def __post_init__(self) -> None:
         if self.H < 1 or not 0.0 <= self.churn < 1.0:

@@ -49,6 +49,8 @@ from protocol.framing import FrameDecoder
 
 log = logging.getLogger(__name__)
 
+INIT_TIMEOUT_S = 60.0  # the link sends Init right after starting this process (s)
+
 
 def digest(state: OuterState) -> str:
     h = hashlib.blake2b(digest_size=8)
@@ -72,20 +74,28 @@ class OuterProcess:
     def send(self, reply: Reply) -> None:
         self.sock.sendall(encode(reply))
 
-    def recv(self) -> Command | None:
-        """The next command, or None once the stage process closed the link. Blocks without
-        a deadline: the stage process is the one that decides when this process stops."""
+    def recv(self, timeout: float | None = None) -> Command | None:
+        """The next command, or None once the stage process closed the link. Between
+        rounds it waits without a deadline (`timeout` None): the stage process decides when
+        this process stops, and its exit closes the link."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self.inbox:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no command from the stage process within {timeout}s")
+                self.sock.settimeout(left)
             data = self.sock.recv(1 << 16)
             if not data:
                 return None
             self.inbox.extend(decode_command(p) for p in self.decoder.feed(data))
+        self.sock.settimeout(None)
         return self.inbox.pop(0)
 
     # ---- lifecycle -------------------------------------------------------------------
 
     def serve(self) -> int:
-        init = self.recv()
+        init = self.recv(INIT_TIMEOUT_S)
         if not isinstance(init, Init):
             raise ProtocolError(f"expected an init command first, got {init!r:.200}")
         self.cfg = init.config
