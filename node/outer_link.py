@@ -333,7 +333,11 @@ class OuterLink:
         return reply
 
     def _send(self, cmd: Command) -> None:
-        self._sock.sendall(encode(cmd))
+        try:
+            frame = encode(cmd)
+        except ProtocolError as exc:  # an argument outside what the contract carries
+            raise ValueError(str(exc)) from exc
+        self._sock.sendall(frame)
 
     def _pump(self, timeout: float) -> None:
         ready, _, _ = select.select([self._sock], [], [], max(0.0, timeout))

@@ -1,23 +1,28 @@
 """The contract between the stage process and the outer-loop process: round trips of every
-command and reply, strict decoding, and hypothesis fuzzing (random bytes, mutated frames
-and random maps fed to every decoder only ever raise ProtocolError)."""
+command and reply, strict decoding, hypothesis fuzzing (random bytes, mutated frames and
+random maps fed to every decoder only ever raise ProtocolError), and `OuterLink`'s side of
+it against a scripted outer process (no hivemind)."""
 
 from __future__ import annotations
 
 import ast
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node.outer import contract as c
+from node.outer_link import OuterLink, OuterLinkError
 from protocol.codec import packb
 from protocol.errors import ProtocolError
-from protocol.framing import FrameDecoder
+from protocol.framing import FrameDecoder, frame
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -287,3 +292,67 @@ def test_the_outer_package_never_imports_the_stage_side_link() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not any(n.startswith("node.outer_link") for n in names), f
+
+
+# --- the link's side, against a scripted outer process ----------------------------------
+
+
+@pytest.fixture
+def scripted(tmp_path: Path) -> Iterator[tuple[OuterLink, socket.socket]]:
+    """An `OuterLink` whose "outer process" is the test: replies go through `peer`."""
+    ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    paths = [tmp_path / name for name in ("snap", "result", "m")]
+    for path in paths:
+        path.write_bytes(bytes(4 * 8))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    link = OuterLink(proc, ours, *paths, numel=8)
+    yield link, peer
+    proc.kill()
+    link.close(timeout=5.0)
+    peer.close()
+
+
+def _commands(peer: socket.socket) -> list[c.Command]:
+    peer.settimeout(5.0)
+    return [c.decode_command(p) for p in _decode_frames(peer.recv(1 << 16))]
+
+
+def test_the_link_sends_typed_commands_and_reads_typed_replies(
+    scripted: tuple[OuterLink, socket.socket],
+) -> None:
+    link, peer = scripted
+    link.begin_round([torch.ones(8)], 100, target_tokens=400)
+    assert _commands(peer) == [c.Begin(tokens=100, target_tokens=400)]
+    assert link.poll_result() is None
+    result = REPLIES[4]
+    assert isinstance(result, c.RoundResult)
+    peer.sendall(c.encode(result))
+    assert link.wait_result(5.0) == result and link.round == 1 and link.digest == result.digest
+    assert torch.equal(link._snap, torch.ones(8))
+
+
+def test_a_failed_round_a_fatal_reply_and_garbage_become_outer_link_errors(
+    scripted: tuple[OuterLink, socket.socket],
+) -> None:
+    link, peer = scripted
+    link.begin_round([torch.ones(8)], 1)
+    peer.sendall(c.encode(c.RoundFailed(error="no state")))
+    with pytest.raises(OuterLinkError, match="no state"):
+        link.wait_result(5.0)
+    link.begin_round([torch.ones(8)], 1)
+    peer.sendall(c.encode(c.Fatal(error="boom")))
+    with pytest.raises(OuterLinkError, match="boom"):
+        link.wait_result(5.0)
+    peer.sendall(frame(packb({"op": "result", "round": "one"})))
+    with pytest.raises(OuterLinkError, match="malformed"):
+        link._pump(5.0)
+
+
+def test_arguments_the_contract_cannot_carry_are_value_errors(
+    scripted: tuple[OuterLink, socket.socket],
+) -> None:
+    link, _ = scripted
+    with pytest.raises(ValueError):
+        link.fetch_state(timeout=1e9)
+    with pytest.raises(ValueError):
+        link.begin_round([torch.ones(8)], 2**63)

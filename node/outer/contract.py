@@ -341,7 +341,8 @@ class StateFetched:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RoundResult:
-    """What an outer round produced; the new theta_g is in the result buffer."""
+    """What an outer round produced; the new theta_g is in the result buffer
+    (`OuterLink.theta_g()`)."""
 
     OP: ClassVar[str] = "result"
     round: int  # outer steps in the global state after this round
