@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The settings live with the outer-loop contract (torch-free), which carries them to the
-# outer-loop process; re-exported here beside the math they configure.
-from node.outer.contract import DilocoConfig as DilocoConfig
+# The settings live with the outer-loop process's settings (torch-free), which Init carries
+# to that process; re-exported here beside the math they configure.
+from node.outer.settings import DilocoConfig as DilocoConfig
 
 
 @dataclass(slots=True)
