@@ -86,7 +86,7 @@ class Init:
     snap: str  # shared-memory file: the working-copy snapshot (absolute path)
     result: str  # shared-memory file: theta_g, written by the outer process (absolute path)
     momentum: str  # shared-memory file: the outer momentum m (absolute path)
-    config: OuterConfig
+    config: OuterConfig  # settings of the outer-loop process and its optimizer
 
     def to_wire(self) -> dict[str, Any]:
         return {
