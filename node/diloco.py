@@ -15,52 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(kw_only=True, slots=True)
-class DilocoConfig:
-    """Outer optimizer settings: the outer step, robust averaging and staleness."""
-
-    eta: float = 0.7  # outer learning rate (dimensionless)
-    mu: float = 0.9  # outer Nesterov momentum (dimensionless)
-    target_tokens: int = (
-        0  # tokens one full round gathers over the stage group (tokens); 0 = no scaling
-    )
-    participation_power: float = 0.5  # p in eta_r = eta * min(1, tokens/target)^p (dimensionless)
-    staleness_decay: float = 0.5  # weight multiplier per round a contribution lags (dimensionless)
-    max_staleness: int = 2  # contributions lagging more rounds than this are dropped (rounds)
-    max_rel_norm: float = 1.0  # reject ||delta|| > max_rel_norm * ||theta_g|| (dimensionless)
-    max_median_ratio: float = (
-        20.0  # with >= 3 contributions, reject norm > ratio * median (dimensionless)
-    )
-    clip_radius: float = (
-        0.0  # centered-clipping radius tau (parameter units); 0 = plain weighted mean
-    )
-    clip_iters: int = 3  # centered-clipping iterations (count)
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.eta <= 10.0:
-            raise ValueError(f"eta must be in (0, 10], got {self.eta}")
-        if not 0.0 <= self.mu < 1.0:
-            raise ValueError(f"mu must be in [0, 1), got {self.mu}")
-        if self.target_tokens < 0:
-            raise ValueError(f"target_tokens must be >= 0, got {self.target_tokens}")
-        if not 0.0 <= self.participation_power <= 2.0:
-            raise ValueError(
-                f"participation_power must be in [0, 2], got {self.participation_power}"
-            )
-        if not 0.0 <= self.staleness_decay <= 1.0:
-            raise ValueError(f"staleness_decay must be in [0, 1], got {self.staleness_decay}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.max_rel_norm <= 0.0 or self.max_median_ratio <= 1.0:
-            raise ValueError(
-                f"max_rel_norm must be > 0 and max_median_ratio > 1, got "
-                f"{self.max_rel_norm} and {self.max_median_ratio}"
-            )
-        if self.clip_radius < 0.0 or self.clip_iters < 1:
-            raise ValueError(
-                f"clip_radius must be >= 0 and clip_iters >= 1, got {self.clip_radius}, {self.clip_iters}"
-            )
+# The settings live with the outer-loop process's settings (torch-free), which Init carries
+# to that process; re-exported here beside the math they configure.
+from node.outer.settings import DilocoConfig as DilocoConfig
 
 
 @dataclass(slots=True)

@@ -1,10 +1,11 @@
 """The stage process's handle on its outer-loop process (`python -m node.outer`).
 
 `OuterLink` starts the outer process as a fresh interpreter, shares three flat fp32
-buffers with it (the snapshot, theta_g and the outer momentum m) as files in /dev/shm (mapped by both with `torch.from_file(shared=True)`)
-and speaks msgpack frames (`protocol.framing`) over a Unix socketpair. It never imports
-hivemind (DESIGN.md section 2). One operation is in flight at a time; every wait has a
-deadline. Usage from the stage's torch thread:
+buffers with it (the snapshot, theta_g and the outer momentum m) as files in /dev/shm,
+mapped by both with `torch.from_file(shared=True)`, and exchanges the typed commands and
+replies of `node.outer.contract` with it over a Unix socketpair. It never imports hivemind,
+which cannot share a process with py-libp2p. One operation is in flight at a time; every
+wait has a deadline. Usage from the stage's torch thread:
 
     link = OuterLink.start(run_id="r1", stage=0, numel=n, initial_peers=addrs)
     link.set_initial_state(params)           # first node of a run (or from a checkpoint), or
@@ -20,7 +21,6 @@ deadline. Usage from the stage's torch thread:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import select
@@ -30,85 +30,49 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 
-from node.diloco import DilocoConfig, merge_local_progress
-from protocol.codec import packb, unpackb
-from protocol.framing import FrameDecoder, frame
+from node.diloco import merge_local_progress
+from node.outer.contract import (
+    COMPRESSIONS,
+    MAX_CONTROL_FRAME,
+    Begin,
+    Command,
+    Fatal,
+    Fetch,
+    Init,
+    OuterConfig,
+    Ready,
+    Reply,
+    RoundFailed,
+    RoundResult,
+    SetState,
+    StateFetched,
+    StateSet,
+    Stop,
+    decode_reply,
+    encode,
+)
+from protocol.errors import ProtocolError
+from protocol.framing import FrameDecoder
+
+__all__ = [
+    "COMPRESSIONS",
+    "MAX_CONTROL_FRAME",
+    "SHM_DIR",
+    "OuterConfig",
+    "OuterLink",
+    "OuterLinkError",
+    "RoundResult",
+]
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-MAX_CONTROL_FRAME = 1 << 20  # bytes; control frames are small, tensors go through shared memory
-COMPRESSIONS = ("none", "fp16", "uint8")
-
-
-@dataclass(kw_only=True, slots=True)
-class OuterConfig:
-    """Settings of the outer-loop process."""
-
-    compression: str = "fp16"  # pseudo-gradient wire codec: "none", "fp16" or "uint8"
-    matchmaking_s: float = 3.0  # time to gather a group before a round (s)
-    round_timeout_s: float = 10.0  # max time for the exchange once a group formed (s)
-    request_timeout_s: float = 1.0  # matchmaking request timeout, < matchmaking_s (s)
-    target_group_size: int = 8  # largest group of replicas averaged at once (peers)
-    host: str = "127.0.0.1"  # DHT listen address (IP)
-    port: int = 0  # DHT listen port; 0 = chosen by the OS
-    startup_timeout_s: float = 90.0  # max time for the outer process to start its DHT (s)
-    state_timeout_s: float = 20.0  # max time to download state from a live replica (s)
-    diloco: DilocoConfig = field(default_factory=DilocoConfig)
-
-    def __post_init__(self) -> None:
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
-        if not 0.0 < self.request_timeout_s < self.matchmaking_s:
-            raise ValueError(
-                f"request_timeout_s ({self.request_timeout_s}) must be in (0, matchmaking_s = "
-                f"{self.matchmaking_s})"
-            )
-        for name in ("round_timeout_s", "startup_timeout_s", "state_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.target_group_size < 1 or not 0 <= self.port < 65536:
-            raise ValueError(f"bad target_group_size {self.target_group_size} or port {self.port}")
-
-    def to_wire(self) -> dict[str, Any]:
-        out = {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "diloco"
-        }
-        out["diloco"] = {
-            f.name: getattr(self.diloco, f.name) for f in dataclasses.fields(self.diloco)
-        }
-        return out
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> OuterConfig:
-        """From a plain dict (a TOML table or a control frame); unknown keys are an error."""
-        d = dict(d)
-        diloco = DilocoConfig(**d.pop("diloco", {}))
-        return cls(diloco=diloco, **d)
-
-
-@dataclass(frozen=True, slots=True)
-class RoundResult:
-    """What an outer round produced; the new theta_g is in `OuterLink.theta_g()`."""
-
-    round: int  # outer steps in the global state after this round
-    applied: bool  # whether this replica's global state changed
-    rebased: bool  # whether the state was downloaded from a more advanced replica
-    group_size: int  # replicas whose contributions were averaged (1 when alone)
-    tokens: int  # tokens behind the averaged pseudo-gradient
-    eta_r: float  # outer learning rate used
-    bytes_out: int  # pseudo-gradient bytes this replica sent (wire)
-    bytes_in: int  # pseudo-gradient bytes it received (wire)
-    raw_bytes: int  # fp32 size of one pseudo-gradient
-    seconds: float  # wall time of the round in the outer process
-    rejected: dict[str, str]  # peer -> reason for contributions left out
-    digest: str  # blake2b of (round, theta_g, m): equal digests mean bitwise-equal states
+_R = TypeVar("_R", bound=Reply)
 
 
 class OuterLinkError(RuntimeError):
@@ -130,14 +94,14 @@ class OuterLink:
         self._proc = proc
         self._sock = sock
         self._decoder = FrameDecoder(max_frame=MAX_CONTROL_FRAME)
-        self._inbox: list[dict[str, Any]] = []
+        self._inbox: list[Reply] = []
         self._paths = (snap, result, momentum)
         self._snap = torch.from_file(str(snap), shared=True, size=numel, dtype=torch.float32)
         self._result = torch.from_file(str(result), shared=True, size=numel, dtype=torch.float32)
         self._m = torch.from_file(str(momentum), shared=True, size=numel, dtype=torch.float32)
         self.numel = numel
-        self._pending: str | None = None  # op in flight
-        self._ready: dict[str, Any] = {}
+        self._pending: str | None = None  # the reply awaited by the operation in flight
+        self._ready = Ready(addrs=[], peer_id="")
         self.stall_s = 0.0  # seconds callers spent blocked in link calls
         self.round = 0
         self._state_timeout = OuterConfig().state_timeout_s  # s, replaced by start()
@@ -188,19 +152,18 @@ class OuterLink:
         link = cls(proc, ours, snap, result, momentum, numel)
         try:
             link._send(
-                {
-                    "op": "init",
-                    "run_id": run_id,
-                    "stage": stage,
-                    "numel": numel,
-                    "initial_peers": list(initial_peers),
-                    "snap": str(snap),
-                    "result": str(result),
-                    "momentum": str(momentum),
-                    "config": cfg.to_wire(),
-                }
+                Init(
+                    run_id=run_id,
+                    stage=stage,
+                    numel=numel,
+                    initial_peers=list(initial_peers),
+                    snap=str(snap),
+                    result=str(result),
+                    momentum=str(momentum),
+                    config=cfg,
+                )
             )
-            link._ready = link._wait("ready", cfg.startup_timeout_s)
+            link._ready = link._expect(Ready, cfg.startup_timeout_s)
         except BaseException:
             link.close(timeout=5.0)
             raise
@@ -215,7 +178,7 @@ class OuterLink:
 
     def dht_addrs(self) -> list[str]:
         """Multiaddrs other nodes can bootstrap their DHT from (advertise via the coordinator)."""
-        return list(self._ready.get("addrs", []))
+        return list(self._ready.addrs)
 
     def set_initial_state(
         self,
@@ -238,8 +201,8 @@ class OuterLink:
                     f"momentum holds {momentum.numel()} elements, the link {self.numel}"
                 )
             self._m.copy_(momentum.detach().flatten())
-        self._send({"op": "set_state", "round": round_, "momentum": momentum is not None})
-        self.digest = str(self._wait("state_set", timeout)["digest"])
+        self._send(SetState(round=round_, momentum=momentum is not None))
+        self.digest = self._expect(StateSet, timeout).digest
         self.round = round_
         self.stall_s += time.monotonic() - t0
 
@@ -249,13 +212,13 @@ class OuterLink:
         self._require_idle()
         t0 = time.monotonic()
         limit = self._state_timeout if timeout is None else timeout
-        self._send({"op": "fetch", "timeout": limit})
-        reply = self._wait("state", limit + 10.0)
+        self._send(Fetch(timeout_s=limit))
+        reply = self._expect(StateFetched, limit + 10.0)
         self.stall_s += time.monotonic() - t0
-        if not reply["ok"]:
+        if not reply.ok:
             return None
-        self.round = int(reply["round"])
-        self.digest = str(reply["digest"])
+        self.round = reply.round
+        self.digest = reply.digest
         return self.round
 
     def begin_round(
@@ -270,32 +233,30 @@ class OuterLink:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         t0 = time.monotonic()
         self._copy_in(params)
-        cmd: dict[str, Any] = {"op": "begin", "tokens": int(tokens)}
-        if target_tokens is not None:
-            if target_tokens < 0:
-                raise ValueError(f"target_tokens must be >= 0, got {target_tokens}")
-            cmd["target_tokens"] = int(target_tokens)
-        self._send(cmd)
-        self._pending = "result"
+        if target_tokens is not None and target_tokens < 0:
+            raise ValueError(f"target_tokens must be >= 0, got {target_tokens}")
+        target = None if target_tokens is None else int(target_tokens)
+        self._send(Begin(tokens=int(tokens), target_tokens=target))
+        self._pending = RoundResult.OP
         self.stall_s += time.monotonic() - t0
 
     def poll_result(self) -> RoundResult | None:
         """The finished round, or None while it runs. Never blocks."""
         t0 = time.monotonic()
         try:
-            if self._pending != "result":
+            if self._pending != RoundResult.OP:
                 return None
             self._pump(0.0)
-            reply = self._take("result")
+            reply = self._take((RoundResult, RoundFailed))
             return None if reply is None else self._result_of(reply)
         finally:
             self.stall_s += time.monotonic() - t0
 
     def wait_result(self, timeout: float) -> RoundResult:
         """Block until the round in flight finishes (tests, draining)."""
-        if self._pending != "result":
+        if self._pending != RoundResult.OP:
             raise OuterLinkError("no round in flight")
-        return self._result_of(self._wait("result", timeout))
+        return self._result_of(self._wait((RoundResult, RoundFailed), timeout))
 
     def theta_g(self) -> torch.Tensor:
         """The newest theta_g (flat fp32 view, valid until the next operation)."""
@@ -328,7 +289,7 @@ class OuterLink:
         try:
             if self._proc.poll() is None:
                 try:
-                    self._send({"op": "stop"})
+                    self._send(Stop())
                 except OSError:
                     pass
                 try:
@@ -361,17 +322,22 @@ class OuterLink:
         if offset != self.numel:
             raise ValueError(f"params hold {offset} elements, the link {self.numel}")
 
-    def _result_of(self, reply: dict[str, Any]) -> RoundResult:
+    def _result_of(self, reply: Reply) -> RoundResult:
         self._pending = None
-        if reply.get("error"):
-            raise OuterLinkError(f"outer round failed: {reply['error']}")
-        self.round = int(reply["round"])
-        self.digest = str(reply["digest"])
-        fields = {f.name for f in dataclasses.fields(RoundResult)}
-        return RoundResult(**{k: v for k, v in reply.items() if k in fields})
+        if isinstance(reply, RoundFailed):
+            raise OuterLinkError(f"outer round failed: {reply.error}")
+        if not isinstance(reply, RoundResult):
+            raise OuterLinkError(f"expected a round result, got {reply!r:.200}")
+        self.round = reply.round
+        self.digest = reply.digest
+        return reply
 
-    def _send(self, obj: dict[str, Any]) -> None:
-        self._sock.sendall(frame(packb(obj), max_frame=MAX_CONTROL_FRAME))
+    def _send(self, cmd: Command) -> None:
+        try:
+            frame = encode(cmd)
+        except ProtocolError as exc:  # an argument outside what the contract carries
+            raise ValueError(str(exc)) from exc
+        self._sock.sendall(frame)
 
     def _pump(self, timeout: float) -> None:
         ready, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
@@ -382,31 +348,34 @@ class OuterLink:
             raise OuterLinkError(
                 f"outer process {self.pid} closed the link (exit code {self._proc.poll()})"
             )
-        for payload in self._decoder.feed(data):
-            msg = unpackb(payload, max_size=MAX_CONTROL_FRAME)
-            if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-                raise OuterLinkError(
-                    f"malformed control frame from the outer process: {msg!r:.200}"
-                )
-            self._inbox.append(msg)
+        try:
+            self._inbox.extend(decode_reply(p) for p in self._decoder.feed(data))
+        except ProtocolError as exc:
+            raise OuterLinkError(f"malformed control frame from the outer process: {exc}") from exc
 
-    def _take(self, op: str) -> dict[str, Any] | None:
+    def _take(self, kinds: tuple[type, ...]) -> Reply | None:
         for i, msg in enumerate(self._inbox):
-            if msg["op"] == op:
+            if isinstance(msg, kinds):
                 return self._inbox.pop(i)
-            if msg["op"] == "fatal":
-                raise OuterLinkError(f"outer process failed: {msg.get('error')}")
+            if isinstance(msg, Fatal):
+                raise OuterLinkError(f"outer process failed: {msg.error}")
         return None
 
-    def _wait(self, op: str, timeout: float) -> dict[str, Any]:
+    def _expect(self, kind: type[_R], timeout: float) -> _R:
+        reply = self._wait((kind,), timeout)
+        assert isinstance(reply, kind)
+        return reply
+
+    def _wait(self, kinds: tuple[type, ...], timeout: float) -> Reply:
         deadline = time.monotonic() + timeout
         while True:
-            got = self._take(op)
+            got = self._take(kinds)
             if got is not None:
                 return got
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no {op!r} reply from the outer process within {timeout:.1f}s")
+                names = " or ".join(k.__name__ for k in kinds)
+                raise TimeoutError(f"no {names} reply from the outer process within {timeout:.1f}s")
             if self._proc.poll() is not None and not select.select([self._sock], [], [], 0)[0]:
                 raise OuterLinkError(f"outer process exited with code {self._proc.returncode}")
             self._pump(min(left, 0.5))

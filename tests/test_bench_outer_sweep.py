@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from bench.outer_sweep import Common, Setting, Simulation, flat_params, main
+from bench.outer_sweep import main
+from bench.outer_sweep_sim import Common, Setting, Simulation, flat_params
 from node.data import load_dataset
 
 ROW_KEYS = {

@@ -20,7 +20,7 @@ import torch
 from node.diloco import DilocoConfig
 from node.outer_link import OuterConfig, OuterLink
 
-DECLARE_STATE_PERIOD_S = 5.0  # node.outer.process: the averager's declare_state_period
+DECLARE_STATE_PERIOD_S = 5.0  # node.outer.process: the averager's declare_state_period (s)
 
 N = 4096  # parameters per replica: small, the tests are about the protocol
 CFG = OuterConfig(
@@ -173,15 +173,18 @@ def test_wire_codecs_round_trip_in_the_outer_interpreter(child_env: dict[str, st
     interpreter, since it imports hivemind)."""
     code = (
         "import torch\n"
-        "from hivemind.compression import CompressionInfo, Float16Compression, Uniform8BitQuantization\n"
-        "from node.outer.averager import decode_tensor\n"
+        "from hivemind.compression import CompressionInfo\n"
+        "from node.outer.wire import compression, decode_tensor, round_trip\n"
         "x = torch.randn(10000) * 1e-3\n"
-        "for codec, tol in ((Float16Compression(), 1e-3), (Uniform8BitQuantization(), 3e-2)):\n"
+        "for name, tol in (('fp16', 1e-3), ('uint8', 3e-2)):\n"
+        "    codec = compression(name)\n"
         "    msg = codec.compress(x, CompressionInfo.from_tensor(x), allow_inplace=False)\n"
         "    y = decode_tensor(msg)\n"
         "    err = float((y - x).norm() / x.norm())\n"
         "    assert y.shape == x.shape and err < tol, (codec, err)\n"
+        "    assert torch.equal(round_trip(x, name), y)\n"
         "    print(type(codec).__name__, len(msg.buffer), err)\n"
+        "assert torch.equal(round_trip(x, 'none'), x)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=120

@@ -1,4 +1,9 @@
-"""`python -m node.outer --fd N`: the outer-loop process (started by `OuterLink`)."""
+"""`python -m node.outer --fd N`: the outer-loop process's entry point.
+
+Started by `node.outer_link.OuterLink` as a fresh interpreter on an inherited Unix socket;
+it serves `node.outer.process.OuterProcess` there and reports a crash as a `Fatal` reply
+before it exits.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import os
 import signal
 import socket
 import sys
+
+from node.outer.contract import Fatal, encode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,10 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         logging.getLogger("node.outer").exception("outer process failed")
         try:
-            from protocol.codec import packb
-            from protocol.framing import frame
-
-            sock.sendall(frame(packb({"op": "fatal", "error": f"{type(exc).__name__}: {exc}"})))
+            sock.sendall(encode(Fatal(error=f"{type(exc).__name__}: {exc}")))
         except OSError:
             pass
         return 1

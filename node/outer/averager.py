@@ -22,39 +22,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
 
-import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
+from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from node.diloco import Contribution, DilocoConfig, aggregate
+from node.outer.wire import decode_tensor
 
 log = logging.getLogger(__name__)
 
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
-
-
-def decode_tensor(msg: runtime_pb2.Tensor) -> torch.Tensor:
-    """`deserialize_torch_tensor`, except for hivemind 1.1.12's 8-bit codecs, whose `extract`
-    fails with numpy 2 (`int()` of a 1-element array); same byte layout: int64 codebook
-    size, fp32 codebook, uint8 indices."""
-    if msg.compression not in (runtime_pb2.UNIFORM_8BIT, runtime_pb2.QUANTILE_8BIT):
-        out: torch.Tensor = deserialize_torch_tensor(msg).detach()
-        return out
-    buf = msg.buffer
-    size = int(np.frombuffer(buf, count=1, dtype=np.int64)[0])
-    if not 0 < size <= 256 or len(buf) < 8 + 4 * size:
-        raise ValueError(f"bad 8-bit codebook size {size}")
-    codebook = torch.from_numpy(np.frombuffer(buf, offset=8, count=size, dtype=np.float32).copy())
-    idx = torch.from_numpy(np.frombuffer(buf, offset=8 + 4 * size, dtype=np.uint8).copy()).long()
-    if bool((idx >= size).any()):
-        raise ValueError("8-bit index outside the codebook")
-    return codebook[idx].reshape(tuple(msg.size)).to(getattr(torch, msg.dtype))
 
 
 class _Exchange:

@@ -1,11 +1,14 @@
 """The outer-loop process: owns a stage replica's global state (theta_g, m, round), its
 hivemind DHT and `StageAverager`, and serves `node.outer_link.OuterLink` over a socket.
 
-Commands arrive one at a time as msgpack frames; tensors travel through the two shared
-/dev/shm buffers the link created. A round: compute `delta = theta_g - snapshot`; rebase
-first if the DHT shows a replica further ahead; all-gather with whoever forms a group
-before `matchmaking_s` (alone otherwise); apply elastic Nesterov when this replica holds
-the group's canonical state, or adopt the state of a canonical groupmate when it does not.
+Commands (`node.outer.contract`) arrive one at a time as msgpack frames and each gets one
+reply; tensors travel through the three shared /dev/shm buffers the link created.
+
+A round: compute `delta = theta_g - snapshot`; rebase first if the DHT shows a replica
+further ahead; all-gather with whoever forms a group before `matchmaking_s` (alone
+otherwise); apply elastic Nesterov when this replica holds the group's canonical state,
+or adopt the state of a canonical groupmate when it does not. Replicas stay bitwise
+identical because each decodes the same compressed bytes in the same order.
 """
 
 from __future__ import annotations
@@ -20,17 +23,33 @@ from typing import Any
 
 import torch
 from hivemind import DHT
-from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 
-from node.diloco import OuterState, nesterov_step, participation_lr
+from node.diloco import Contribution, OuterState, nesterov_step, outer_step, participation_lr
 from node.outer.averager import StageAverager
-from node.outer_link import MAX_CONTROL_FRAME, OuterConfig
-from protocol.codec import packb, unpackb
-from protocol.framing import FrameDecoder, frame
+from node.outer.contract import (
+    MAX_CONTROL_FRAME,
+    Begin,
+    Command,
+    Fetch,
+    Init,
+    Ready,
+    Reply,
+    RoundFailed,
+    RoundResult,
+    SetState,
+    StateFetched,
+    StateSet,
+    Stop,
+    decode_command,
+    encode,
+)
+from node.outer.wire import compression
+from protocol.errors import ProtocolError
+from protocol.framing import FrameDecoder
 
 log = logging.getLogger(__name__)
 
-WIRE = {"none": NoCompression, "fp16": Float16Compression, "uint8": Uniform8BitQuantization}
+INIT_TIMEOUT_S = 60.0  # the link sends Init right after starting this process (s)
 
 
 def digest(state: OuterState) -> str:
@@ -45,54 +64,58 @@ class OuterProcess:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.decoder = FrameDecoder(max_frame=MAX_CONTROL_FRAME)
-        self.inbox: list[dict[str, Any]] = []
+        self.inbox: list[Command] = []
         self.lock = threading.Lock()  # guards `state` against the state-sharing thread
         self.state: OuterState | None = None
         self.digest = ""
 
     # ---- socket ----------------------------------------------------------------------
 
-    def send(self, obj: dict[str, Any]) -> None:
-        self.sock.sendall(frame(packb(obj), max_frame=MAX_CONTROL_FRAME))
+    def send(self, reply: Reply) -> None:
+        self.sock.sendall(encode(reply))
 
-    def recv(self) -> dict[str, Any] | None:
+    def recv(self, timeout: float | None = None) -> Command | None:
+        """The next command, or None once the stage process closed the link. Between
+        rounds it waits without a deadline (`timeout` None): the stage process decides when
+        this process stops, and its exit closes the link."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self.inbox:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no command from the stage process within {timeout}s")
+                self.sock.settimeout(left)
             data = self.sock.recv(1 << 16)
             if not data:
                 return None
-            for payload in self.decoder.feed(data):
-                msg = unpackb(payload, max_size=MAX_CONTROL_FRAME)
-                if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-                    raise ValueError(f"malformed command {msg!r:.200}")
-                self.inbox.append(msg)
+            self.inbox.extend(decode_command(p) for p in self.decoder.feed(data))
+        self.sock.settimeout(None)
         return self.inbox.pop(0)
 
     # ---- lifecycle -------------------------------------------------------------------
 
     def serve(self) -> int:
-        init = self.recv()
-        if init is None or init["op"] != "init":
-            raise ValueError(f"expected an init command first, got {init!r:.200}")
-        self.cfg = OuterConfig.from_wire(init["config"])
-        numel = int(init["numel"])
-        self.snap = torch.from_file(init["snap"], shared=True, size=numel, dtype=torch.float32)
-        self.result = torch.from_file(init["result"], shared=True, size=numel, dtype=torch.float32)
-        self.momentum = torch.from_file(
-            init["momentum"], shared=True, size=numel, dtype=torch.float32
+        init = self.recv(INIT_TIMEOUT_S)
+        if not isinstance(init, Init):
+            raise ProtocolError(f"expected an init command first, got {init!r:.200}")
+        self.cfg = init.config
+        self.snap, self.result, self.momentum = (
+            torch.from_file(path, shared=True, size=init.numel, dtype=torch.float32)
+            for path in (init.snap, init.result, init.momentum)
         )
-        self.prefix = f"agora-{init['run_id']}-stage{int(init['stage'])}"
+        self.prefix = f"agora-{init.run_id}-stage{init.stage}"
         self.dht = DHT(
-            initial_peers=list(init["initial_peers"]),
+            initial_peers=list(init.initial_peers),
             host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
             start=True,
             await_ready=True,
         )
-        self.contribution = torch.zeros(numel, dtype=torch.float32)
+        self.contribution = torch.zeros(init.numel, dtype=torch.float32)
         self.averager = StageAverager(
             self.contribution,
             self.dht,
             prefix=self.prefix,
-            wire_compression=WIRE[self.cfg.compression](),
+            wire_compression=compression(self.cfg.compression),
             diloco=self.cfg.diloco,
             exchange_timeout=self.cfg.round_timeout_s,
             state_provider=self.current_state,
@@ -109,36 +132,38 @@ class OuterProcess:
         self.averager.run_in_background(await_ready=True, timeout=self.cfg.startup_timeout_s)
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         log.info("outer process for %s up: %s", self.prefix, addrs)
-        self.send({"op": "ready", "addrs": addrs, "peer_id": self.dht.peer_id.to_base58()})
+        self.send(Ready(addrs=addrs, peer_id=self.dht.peer_id.to_base58()))
         try:
             while (cmd := self.recv()) is not None:
-                op = cmd["op"]
-                if op == "stop":
+                if isinstance(cmd, Stop):
                     break
-                if op == "set_state":  # round 0, or a checkpoint's round and momentum
-                    state = OuterState.fresh(self.snap)
-                    state.round = int(cmd.get("round", 0))
-                    if cmd.get("momentum"):
-                        state.m = self.momentum.clone()
-                    self.adopt(state)
-                    self.send({"op": "state_set", "round": state.round, "digest": self.digest})
-                elif op == "fetch":
-                    ok = self.download(float(cmd["timeout"]), min_round=-1)
-                    rnd = self.state.round if self.state else -1
-                    self.send({"op": "state", "ok": ok, "round": rnd, "digest": self.digest})
-                elif op == "begin":
-                    if "target_tokens" in cmd:  # the participation rule's target (tokens)
-                        self.cfg.diloco.target_tokens = max(0, int(cmd["target_tokens"]))
-                    self.send(self.run_round(int(cmd["tokens"])))
-                else:
-                    raise ValueError(f"unknown command {op!r}")
+                self.send(self.handle(cmd))
         finally:
             # the link unlinks these too; doing it here covers a stage process that died
-            for path in (init["snap"], init["result"], init["momentum"]):
+            for path in (init.snap, init.result, init.momentum):
                 Path(path).unlink(missing_ok=True)
             self.averager.shutdown()
             self.dht.shutdown()
         return 0
+
+    def handle(self, cmd: Command) -> Reply:
+        """One command after `Init`, and its reply."""
+        if isinstance(cmd, SetState):  # round 0, or a checkpoint's round and momentum
+            state = OuterState.fresh(self.snap)
+            state.round = cmd.round
+            if cmd.momentum:
+                state.m = self.momentum.clone()
+            self.adopt(state)
+            return StateSet(round=state.round, digest=self.digest)
+        if isinstance(cmd, Fetch):
+            ok = self.download(cmd.timeout_s, min_round=-1)
+            rnd = self.state.round if self.state else -1
+            return StateFetched(ok=ok, round=rnd, digest=self.digest)
+        if isinstance(cmd, Begin):
+            if cmd.target_tokens is not None:  # the participation rule's target (tokens)
+                self.cfg.diloco.target_tokens = cmd.target_tokens
+            return self.run_round(cmd.tokens)
+        raise ProtocolError(f"unexpected command {cmd!r:.200}")
 
     # ---- state -----------------------------------------------------------------------
 
@@ -190,10 +215,10 @@ class OuterProcess:
 
     # ---- a round ---------------------------------------------------------------------
 
-    def run_round(self, tokens: int) -> dict[str, Any]:
+    def run_round(self, tokens: int) -> RoundResult | RoundFailed:
         t0 = time.monotonic()
         if self.state is None:
-            return {"op": "result", "error": "no state: call set_state or fetch_state first"}
+            return RoundFailed(error="no state: call set_state or fetch_state first")
         base = self.state
         delta = base.theta_g - self.snap
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
@@ -221,28 +246,34 @@ class OuterProcess:
         except Exception as exc:  # no group formed in time: this replica steps alone
             log.info("no group this round (%r); stepping alone", exc)
             info = None
-        out = {"op": "result", "rebased": rebased, "bytes_out": 0, "bytes_in": 0, "rejected": {}}
-        out["raw_bytes"] = int(delta.numel() * 4)
+        bytes_out, bytes_in, rejected = 0, 0, {}
         if not isinstance(info, dict) or not info.get("has_delta"):
             applied, rnd, eta_r, used, size = self.step_alone(delta, tokens, base.round, ref_norm)
         else:
-            out.update(
-                bytes_out=info["bytes_out"], bytes_in=info["bytes_in"], rejected=info["rejected"]
-            )
+            bytes_out, bytes_in = int(info["bytes_out"]), int(info["bytes_in"])
+            rejected = {str(k): str(v) for k, v in info["rejected"].items()}
             with self.averager.get_tensors() as tensors:
                 d = tensors[0].clone()
             applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d)
-            out["rebased"] = rebased or adopted
-        out.update(applied=applied, round=rnd, eta_r=eta_r, tokens=used, group_size=size)
-        out["seconds"] = time.monotonic() - t0
-        out["digest"] = self.digest
-        return out
+            rebased = rebased or adopted
+        return RoundResult(
+            round=rnd,
+            applied=applied,
+            rebased=rebased,
+            group_size=size,
+            tokens=used,
+            eta_r=eta_r,
+            bytes_out=bytes_out,
+            bytes_in=bytes_in,
+            raw_bytes=int(delta.numel() * 4),
+            seconds=time.monotonic() - t0,
+            rejected=rejected,
+            digest=self.digest,
+        )
 
     def step_alone(
         self, delta: torch.Tensor, tokens: int, base_round: int, ref_norm: float
     ) -> tuple[bool, int, float, int, int]:
-        from node.diloco import Contribution, outer_step
-
         st = self.state
         assert st is not None
         new = OuterState(theta_g=st.theta_g.clone(), m=st.m.clone(), round=st.round)

@@ -1,0 +1,456 @@
+"""The typed contract between a node's stage process and its outer-loop process.
+
+The stage side (`node.outer_link.OuterLink`) sends commands; the outer-loop process
+(`node.outer.process`) answers each with one reply. Every command and reply is a small
+frozen dataclass that travels as one msgpack map tagged with `op`, framed by
+`protocol.framing` under `MAX_CONTROL_FRAME`. Tensors never travel here: they live in the
+three shared-memory files that `Init` names. Both processes import this module, so it
+imports neither torch nor hivemind nor libp2p (hivemind and py-libp2p cannot share a
+process, and the stage process must never load hivemind).
+
+One command is in flight at a time:
+
+    Init     -> Ready
+    SetState -> StateSet
+    Fetch    -> StateFetched
+    Begin    -> RoundResult | RoundFailed
+    Stop     -> (the outer process leaves its group and exits)
+
+`Fatal` may arrive instead of any reply; the outer process exits after sending it.
+`Init` carries the process's settings (`OuterConfig` from `node.outer.settings`, which
+this module re-exports with `DilocoConfig` and `COMPRESSIONS`). Decoding
+(`decode_command`, `decode_reply`, each class's `from_wire`) checks types, ranges, sizes
+and unknown keys, and raises `protocol.errors.ProtocolError` for anything malformed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+from node.outer.settings import COMPRESSIONS, MAX_COUNT, DilocoConfig, OuterConfig
+from protocol.codec import packb, unpackb
+from protocol.errors import ProtocolError
+from protocol.framing import frame
+
+__all__ = [
+    "COMMANDS",
+    "COMPRESSIONS",
+    "MAX_CONTROL_FRAME",
+    "REPLIES",
+    "Begin",
+    "Command",
+    "DilocoConfig",
+    "Fatal",
+    "Fetch",
+    "Init",
+    "OuterConfig",
+    "Ready",
+    "Reply",
+    "RoundFailed",
+    "RoundResult",
+    "SetState",
+    "StateFetched",
+    "StateSet",
+    "Stop",
+    "decode_command",
+    "decode_reply",
+    "encode",
+]
+
+MAX_CONTROL_FRAME = 1 << 20  # bytes; control frames are small, tensors go through shared memory
+MAX_NUMEL = 2**40  # elements in one stage's flat state, a sanity bound
+MAX_STAGE = 1023  # highest stage index
+MAX_PEERS = 4096  # entries in a list of multiaddrs, or in a map keyed by peer id
+MAX_ADDR = 1024  # characters in one multiaddr or peer id
+MAX_PATH = 4096  # characters in a shared-memory path
+MAX_TEXT = 4096  # characters in an error message
+MAX_DIGEST = 64  # characters in a state digest
+MAX_WAIT_S = 86_400.0  # longest timeout a command may ask for (s)
+
+
+# --- commands: stage process -> outer-loop process -------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Init:
+    """The first command: which stage to serve, where the shared buffers are, and how."""
+
+    OP: ClassVar[str] = "init"
+    run_id: str  # the run, part of the DHT key prefix
+    stage: int  # the stage whose replicas average together
+    numel: int  # elements in each shared buffer (fp32 elements)
+    initial_peers: list[str]  # DHT multiaddrs to bootstrap from; empty for the first node
+    snap: str  # shared-memory file: the working-copy snapshot (absolute path)
+    result: str  # shared-memory file: theta_g, written by the outer process (absolute path)
+    momentum: str  # shared-memory file: the outer momentum m (absolute path)
+    config: OuterConfig  # settings of the outer-loop process and its optimizer
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "op": self.OP,
+            "run_id": self.run_id,
+            "stage": self.stage,
+            "numel": self.numel,
+            "initial_peers": list(self.initial_peers),
+            "snap": self.snap,
+            "result": self.result,
+            "momentum": self.momentum,
+            "config": self.config.to_wire(),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        paths = [_path(d, k, cls) for k in ("snap", "result", "momentum")]
+        if len(set(paths)) != 3:
+            raise ProtocolError("init: the three shared-memory paths must differ")
+        return cls(
+            run_id=_str(d, "run_id", cls, min_len=1, max_len=128),
+            stage=_int(d, "stage", cls, lo=0, hi=MAX_STAGE),
+            numel=_int(d, "numel", cls, lo=1, hi=MAX_NUMEL),
+            initial_peers=_strs(d, "initial_peers", cls),
+            snap=paths[0],
+            result=paths[1],
+            momentum=paths[2],
+            config=OuterConfig.from_wire(d["config"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SetState:
+    """Make the snapshot buffer the global state, at `round` (a checkpoint's, or 0), with
+    the momentum buffer as m when `momentum` is set and zero momentum otherwise."""
+
+    OP: ClassVar[str] = "set_state"
+    round: int = 0  # outer steps the state has taken (rounds)
+    momentum: bool = False  # whether the momentum buffer holds m
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, "round": self.round, "momentum": self.momentum}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        return cls(round=_int(d, "round", cls, lo=0, hi=MAX_COUNT), momentum=_bool(d, "momentum"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fetch:
+    """Download (theta_g, m, round) from the most advanced live replica."""
+
+    OP: ClassVar[str] = "fetch"
+    timeout_s: float  # how long to keep trying (s)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, "timeout_s": self.timeout_s}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        return cls(timeout_s=_float(d, "timeout_s", cls, lo=0.0, hi=MAX_WAIT_S, lo_open=True))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Begin:
+    """Run a round on the snapshot buffer (the working copy as it was)."""
+
+    OP: ClassVar[str] = "begin"
+    tokens: int  # tokens trained since the last theta_g (tokens)
+    target_tokens: int | None = None  # replaces DilocoConfig.target_tokens from now (tokens)
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": self.OP, "tokens": self.tokens}
+        if self.target_tokens is not None:
+            out["target_tokens"] = self.target_tokens
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj, optional=("target_tokens",))
+        target = None
+        if "target_tokens" in d:
+            target = _int(d, "target_tokens", cls, lo=0, hi=MAX_COUNT)
+        return cls(tokens=_int(d, "tokens", cls, lo=0, hi=MAX_COUNT), target_tokens=target)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stop:
+    """Leave the group, release the buffers and exit."""
+
+    OP: ClassVar[str] = "stop"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        _fields(cls, obj)
+        return cls()
+
+
+# --- replies: outer-loop process -> stage process ---------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ready:
+    """The DHT and averager are up."""
+
+    OP: ClassVar[str] = "ready"
+    addrs: list[str]  # multiaddrs other nodes can bootstrap their DHT from
+    peer_id: str  # the DHT's peer id (base58)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, "addrs": list(self.addrs), "peer_id": self.peer_id}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        return cls(
+            addrs=_strs(d, "addrs", cls), peer_id=_str(d, "peer_id", cls, min_len=1, max_len=256)
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateSet:
+    """Answer to `SetState`: the state now held."""
+
+    OP: ClassVar[str] = "state_set"
+    round: int  # outer steps of the state (rounds)
+    digest: str  # blake2b of (round, theta_g, m), hex
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, "round": self.round, "digest": self.digest}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        return cls(
+            round=_int(d, "round", cls, lo=0, hi=MAX_COUNT),
+            digest=_str(d, "digest", cls, max_len=MAX_DIGEST),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateFetched:
+    """Answer to `Fetch`: whether a replica's state was adopted, and the state now held
+    (round -1 and an empty digest while there is none)."""
+
+    OP: ClassVar[str] = "state"
+    ok: bool  # whether a live replica's state was adopted
+    round: int  # outer steps of the state held now; -1 = none (rounds)
+    digest: str  # blake2b of (round, theta_g, m), hex; "" = none
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, "ok": self.ok, "round": self.round, "digest": self.digest}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        return cls(
+            ok=_bool(d, "ok"),
+            round=_int(d, "round", cls, lo=-1, hi=MAX_COUNT),
+            digest=_str(d, "digest", cls, max_len=MAX_DIGEST),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundResult:
+    """What an outer round produced; the new theta_g is in the result buffer
+    (`OuterLink.theta_g()`)."""
+
+    OP: ClassVar[str] = "result"
+    round: int  # outer steps in the global state after this round
+    applied: bool  # whether this replica's global state changed
+    rebased: bool  # whether the state was downloaded from a more advanced replica
+    group_size: int  # replicas whose contributions were averaged (1 when alone)
+    tokens: int  # tokens behind the averaged pseudo-gradient
+    eta_r: float  # outer learning rate used
+    bytes_out: int  # pseudo-gradient bytes this replica sent (wire)
+    bytes_in: int  # pseudo-gradient bytes it received (wire)
+    raw_bytes: int  # fp32 size of one pseudo-gradient
+    seconds: float  # wall time of the round in the outer process
+    rejected: dict[str, str]  # peer -> reason for contributions left out
+    digest: str  # blake2b of (round, theta_g, m): equal digests mean bitwise-equal states
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["rejected"] = dict(self.rejected)
+        return {"op": self.OP, **out}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        rejected = d["rejected"]
+        if type(rejected) is not dict or len(rejected) > MAX_PEERS:
+            raise ProtocolError(f"result: 'rejected' must be a map of at most {MAX_PEERS} entries")
+        for k, v in rejected.items():
+            if type(k) is not str or type(v) is not str or len(k) > MAX_ADDR or len(v) > MAX_TEXT:
+                raise ProtocolError("result: 'rejected' maps peer ids to reasons (str)")
+        return cls(
+            round=_int(d, "round", cls, lo=0, hi=MAX_COUNT),
+            applied=_bool(d, "applied"),
+            rebased=_bool(d, "rebased"),
+            group_size=_int(d, "group_size", cls, lo=1, hi=MAX_COUNT),
+            tokens=_int(d, "tokens", cls, lo=0, hi=MAX_COUNT),
+            eta_r=_float(d, "eta_r", cls, lo=0.0, hi=1e6),
+            bytes_out=_int(d, "bytes_out", cls, lo=0, hi=MAX_COUNT),
+            bytes_in=_int(d, "bytes_in", cls, lo=0, hi=MAX_COUNT),
+            raw_bytes=_int(d, "raw_bytes", cls, lo=0, hi=MAX_COUNT),
+            seconds=_float(d, "seconds", cls, lo=0.0, hi=MAX_WAIT_S),
+            rejected=dict(rejected),
+            digest=_str(d, "digest", cls, max_len=MAX_DIGEST),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundFailed:
+    """Answer to `Begin` when no round could run (no state yet)."""
+
+    OP: ClassVar[str] = "round_failed"
+    error: str  # what went wrong, for people (clipped to MAX_TEXT on the wire)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, "error": self.error[:MAX_TEXT]}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        return cls(error=_str(d, "error", cls, max_len=MAX_TEXT))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fatal:
+    """The outer process failed and is exiting."""
+
+    OP: ClassVar[str] = "fatal"
+    error: str  # the exception, for people (clipped to MAX_TEXT on the wire)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, "error": self.error[:MAX_TEXT]}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        return cls(error=_str(d, "error", cls, max_len=MAX_TEXT))
+
+
+Command = Init | SetState | Fetch | Begin | Stop
+Reply = Ready | StateSet | StateFetched | RoundResult | RoundFailed | Fatal
+COMMANDS: dict[str, type[Command]] = {c.OP: c for c in (Init, SetState, Fetch, Begin, Stop)}
+REPLIES: dict[str, type[Reply]] = {
+    r.OP: r for r in (Ready, StateSet, StateFetched, RoundResult, RoundFailed, Fatal)
+}
+
+
+def encode(msg: Command | Reply) -> bytes:
+    """One length-prefixed control frame holding `msg`. The sender checks `msg` as the
+    receiver will, so an out-of-range value fails here with `ProtocolError` instead of
+    killing the other process."""
+    wire = msg.to_wire()
+    type(msg).from_wire(wire)
+    return frame(packb(wire), max_frame=MAX_CONTROL_FRAME)
+
+
+def decode_command(payload: bytes) -> Command:
+    """A command from one frame's payload, or `ProtocolError`."""
+    op, obj = _tagged(payload, "command")
+    if op not in COMMANDS:
+        raise ProtocolError(f"unknown command {op[:64]!r}")
+    return COMMANDS[op].from_wire(obj)
+
+
+def decode_reply(payload: bytes) -> Reply:
+    """A reply from one frame's payload, or `ProtocolError`."""
+    op, obj = _tagged(payload, "reply")
+    if op not in REPLIES:
+        raise ProtocolError(f"unknown reply {op[:64]!r}")
+    return REPLIES[op].from_wire(obj)
+
+
+# --- validation helpers: every failure is a ProtocolError ------------------------------
+
+
+def _tagged(payload: bytes, what: str) -> tuple[str, dict[str, Any]]:
+    obj = unpackb(payload, max_size=MAX_CONTROL_FRAME)
+    if type(obj) is not dict or type(obj.get("op")) is not str:
+        raise ProtocolError(f"a {what} must be a map with a string 'op'")
+    return obj["op"], obj
+
+
+def _fields(cls: Any, obj: Any, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`obj` as a map tagged `cls.OP` holding exactly `cls`'s fields (less `optional`)."""
+    op: str = cls.OP
+    if type(obj) is not dict or obj.get("op") != op:
+        raise ProtocolError(f"expected a map with op {op!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(obj) - names - {"op"}
+    if unknown:
+        raise ProtocolError(f"{op}: unknown keys {sorted(map(str, unknown))[:8]}")
+    missing = names - set(obj) - set(optional)
+    if missing:
+        raise ProtocolError(f"{op}: missing keys {sorted(missing)}")
+    return obj
+
+
+def _where(cls: type) -> str:
+    return str(getattr(cls, "OP", cls.__name__))
+
+
+def _int(d: dict[str, Any], key: str, cls: type, *, lo: int, hi: int) -> int:
+    v = d[key]
+    if type(v) is not int or not lo <= v <= hi:
+        raise ProtocolError(f"{_where(cls)}: {key} must be an int in [{lo}, {hi}]")
+    return v
+
+
+def _float(
+    d: dict[str, Any], key: str, cls: type, *, lo: float, hi: float, lo_open: bool = False
+) -> float:
+    v = _finite(d[key])
+    if v is None:
+        raise ProtocolError(f"{_where(cls)}: {key} must be a finite number")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise ProtocolError(f"{_where(cls)}: {key} = {v} outside its range from {lo} to {hi}")
+    return v
+
+
+def _finite(v: Any) -> float | None:
+    """`v` as a finite float when it is an int or float that is one, else None."""
+    if type(v) is int and -MAX_COUNT <= v <= MAX_COUNT:
+        return float(v)
+    if type(v) is float and math.isfinite(v):
+        return v
+    return None
+
+
+def _bool(d: dict[str, Any], key: str) -> bool:
+    v = d[key]
+    if type(v) is not bool:
+        raise ProtocolError(f"{key} must be a bool")
+    return v
+
+
+def _str(d: dict[str, Any], key: str, cls: type, *, max_len: int, min_len: int = 0) -> str:
+    v = d[key]
+    if type(v) is not str or not min_len <= len(v) <= max_len:
+        raise ProtocolError(f"{_where(cls)}: {key} must be a str of {min_len}-{max_len} chars")
+    return v
+
+
+def _strs(d: dict[str, Any], key: str, cls: type) -> list[str]:
+    v = d[key]
+    if type(v) is not list or len(v) > MAX_PEERS:
+        raise ProtocolError(f"{_where(cls)}: {key} must be a list of at most {MAX_PEERS}")
+    if any(type(x) is not str or not 0 < len(x) <= MAX_ADDR for x in v):
+        raise ProtocolError(f"{_where(cls)}: {key} must hold strs of 1-{MAX_ADDR} chars")
+    return list(v)
+
+
+def _path(d: dict[str, Any], key: str, cls: type) -> str:
+    v = _str(d, key, cls, min_len=2, max_len=MAX_PATH)
+    if not v.startswith("/") or "\0" in v:
+        raise ProtocolError(f"{_where(cls)}: {key} must be an absolute path")
+    return v

@@ -1,0 +1,167 @@
+"""The settings of a node's outer-loop process: `OuterConfig`, and within it the outer
+optimizer's `DilocoConfig`.
+
+The stage process builds them (from the node's configuration), and `Init` carries them to
+the outer-loop process, so they are plain torch-free data with explicit `to_wire()` /
+`from_wire()`. Construction checks ranges (ValueError); decoding also checks types and
+unknown keys, and raises `protocol.errors.ProtocolError` for anything malformed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.errors import ProtocolError
+
+COMPRESSIONS = ("none", "fp16", "uint8")  # pseudo-gradient wire codecs, by name
+MAX_COUNT = 2**62  # bound on integers on the wire: tokens, rounds, bytes
+MAX_SETTING_STR = 1024  # characters in a str setting
+
+
+@dataclass(kw_only=True, slots=True)
+class DilocoConfig:
+    """Outer optimizer settings: elastic Nesterov with a participation-adaptive step."""
+
+    eta: float = 0.7  # outer learning rate (dimensionless)
+    mu: float = 0.9  # outer Nesterov momentum (dimensionless)
+    target_tokens: int = (
+        0  # tokens one full round gathers over the stage group (tokens); 0 = no scaling
+    )
+    participation_power: float = 0.5  # p in eta_r = eta * min(1, tokens/target)^p (dimensionless)
+    staleness_decay: float = 0.5  # weight multiplier per round a contribution lags (dimensionless)
+    max_staleness: int = 2  # contributions lagging more rounds than this are dropped (rounds)
+    max_rel_norm: float = 1.0  # reject ||delta|| > max_rel_norm * ||theta_g|| (dimensionless)
+    max_median_ratio: float = (
+        20.0  # with >= 3 contributions, reject norm > ratio * median (dimensionless)
+    )
+    clip_radius: float = (
+        0.0  # centered-clipping radius tau (parameter units); 0 = plain weighted mean
+    )
+    clip_iters: int = 3  # centered-clipping iterations (count)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.eta <= 10.0:
+            raise ValueError(f"eta must be in (0, 10], got {self.eta}")
+        if not 0.0 <= self.mu < 1.0:
+            raise ValueError(f"mu must be in [0, 1), got {self.mu}")
+        if self.target_tokens < 0:
+            raise ValueError(f"target_tokens must be >= 0, got {self.target_tokens}")
+        if not 0.0 <= self.participation_power <= 2.0:
+            raise ValueError(
+                f"participation_power must be in [0, 2], got {self.participation_power}"
+            )
+        if not 0.0 <= self.staleness_decay <= 1.0:
+            raise ValueError(f"staleness_decay must be in [0, 1], got {self.staleness_decay}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_rel_norm <= 0.0 or self.max_median_ratio <= 1.0:
+            raise ValueError(
+                f"max_rel_norm must be > 0 and max_median_ratio > 1, got "
+                f"{self.max_rel_norm} and {self.max_median_ratio}"
+            )
+        if self.clip_radius < 0.0 or self.clip_iters < 1:
+            raise ValueError(
+                f"clip_radius must be >= 0 and clip_iters >= 1, got {self.clip_radius}, {self.clip_iters}"
+            )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> DilocoConfig:
+        """From a plain map; missing keys take their defaults, unknown keys are an error."""
+        kwargs = _settings(cls, obj, "DilocoConfig")
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"DilocoConfig: {exc}") from exc
+
+
+@dataclass(kw_only=True, slots=True)
+class OuterConfig:
+    """Settings of the outer-loop process."""
+
+    compression: str = "fp16"  # pseudo-gradient wire codec, one of COMPRESSIONS (name)
+    matchmaking_s: float = 3.0  # time to gather a group before a round (s)
+    round_timeout_s: float = 10.0  # max time for the exchange once a group formed (s)
+    request_timeout_s: float = 1.0  # matchmaking request timeout, < matchmaking_s (s)
+    target_group_size: int = 8  # largest group of replicas averaged at once (peers)
+    host: str = "127.0.0.1"  # DHT listen address (IP)
+    port: int = 0  # DHT listen port; 0 = chosen by the OS (port number)
+    startup_timeout_s: float = 90.0  # max time for the outer process to start its DHT (s)
+    state_timeout_s: float = 20.0  # max time to download state from a live replica (s)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)  # outer optimizer (see there)
+
+    def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if not 0.0 < self.request_timeout_s < self.matchmaking_s:
+            raise ValueError(
+                f"request_timeout_s ({self.request_timeout_s}) must be in (0, matchmaking_s = "
+                f"{self.matchmaking_s})"
+            )
+        for name in ("round_timeout_s", "startup_timeout_s", "state_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.target_group_size < 1 or not 0 <= self.port < 65536:
+            raise ValueError(f"bad target_group_size {self.target_group_size} or port {self.port}")
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "diloco"
+        }
+        out["diloco"] = self.diloco.to_wire()
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> OuterConfig:
+        """From a plain map (`to_wire`'s, or one written by hand); missing keys take their
+        defaults, unknown keys are an error."""
+        kwargs = _settings(cls, obj, "OuterConfig", nested={"diloco": DilocoConfig.from_wire})
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"OuterConfig: {exc}") from exc
+
+
+# --- decoding helpers: every failure is a ProtocolError ---------------------------------
+
+
+def _finite(v: Any) -> float | None:
+    """`v` as a finite float when it is an int or float that is one, else None."""
+    if type(v) is int and -MAX_COUNT <= v <= MAX_COUNT:
+        return float(v)
+    if type(v) is float and math.isfinite(v):
+        return v
+    return None
+
+
+def _settings(
+    cls: type, obj: Any, where: str, nested: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for a settings dataclass whose fields are int, float or str (the
+    type of each default), or one of `nested` (name -> decoder). Ranges are the class's
+    own `__post_init__` checks."""
+    nested = nested or {}
+    if type(obj) is not dict:
+        raise ProtocolError(f"{where}: expected a map")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, v in obj.items():
+        if key not in defaults:
+            raise ProtocolError(f"{where}: unknown key {str(key)[:64]!r}")
+        if key in nested:
+            kwargs[key] = nested[key](v)
+            continue
+        kind = type(defaults[key])
+        if kind is int and (type(v) is not int or not -MAX_COUNT <= v <= MAX_COUNT):
+            raise ProtocolError(f"{where}: {key} must be an int")
+        if kind is float and _finite(v) is None:
+            raise ProtocolError(f"{where}: {key} must be a finite number")
+        if kind is str and (type(v) is not str or len(v) > MAX_SETTING_STR):
+            raise ProtocolError(f"{where}: {key} must be a str of at most {MAX_SETTING_STR} chars")
+        kwargs[key] = float(v) if kind is float else v
+    return kwargs
