@@ -51,11 +51,6 @@ ALLOWED_CROSSINGS = {
 # applies and whatever is left of them in `node` obeys node's rules.
 MOVING_TO_SWARMLAB = {"node.cli", "node.swarm", "node.demo", "node.chaos", "node.chaos_rogue"}
 
-# Crossings being removed in work under way elsewhere; each entry goes when its use goes.
-# bench.outer_sweep runs the outer loop's wire codec in process; it is moving to a public
-# round-trip function in node.outer.
-PENDING_REMOVAL = {("bench.outer_sweep", "hivemind.compression")}
-
 FILE_SYSTEM_AND_OS = {"os", "pathlib", "sysconfig", "glob", "shutil", "tempfile", "subprocess"}
 BANNED: dict[str, set[str]] = {
     "protocol": {"torch", "socket", "asyncio", "trio", "libp2p", "hivemind"}
@@ -163,8 +158,6 @@ def _where(use: Use) -> str:
 
 def _breaks_rules(use: Use) -> bool:
     """Whether `use` breaks a package rule (ALLOWED_CROSSINGS are not consulted here)."""
-    if (use.source, use.target) in PENDING_REMOVAL:
-        return False
     pkg, top = use.source.split(".")[0], use.target.split(".")[0]
     if use.source == "node.outer" or use.source.startswith("node.outer."):
         return top in BANNED["node"] | {"libp2p"}
