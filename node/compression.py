@@ -20,7 +20,7 @@ Codecs (ids as in `protocol.tensors.CODECS`):
   what hurts), and with the forward codebook 0.9 to 1.7 %. See docs/compression.md.
 
 Every decoder validates codec id, logical shape, part count, part dtypes and shapes, and
-finiteness, and raises `protocol.ProtocolError` for anything malformed before a model
+that every decoded value is finite and at most `MAX_ABS` in size, and raises `protocol.ProtocolError` for anything malformed before a model
 sees it. `BoundaryCodec` is what a pipeline boundary uses: the sender calls
 `encode_forward(hidden, tokens)` / `encode_backward(grad, tokens)`, the receiver
 `decode_forward(enc, tokens)` / `decode_backward(enc, tokens)`; it counts raw (fp32) and
@@ -72,9 +72,18 @@ def _check_header(enc: EncodedTensor, codec: str, shape: tuple[int, ...], n_part
         raise ProtocolError(f"{codec}: {len(enc.parts)} parts, expected {n_parts}")
 
 
+# The largest absolute value a decoded boundary tensor may hold. Activations and their
+# gradients stay orders of magnitude below it in a healthy run; a sender whose values
+# exceed it (finite coefficients can still expand past any bound) is refused, since
+# gradient clipping alone would let every step be steered by it.
+MAX_ABS = 1e6
+
+
 def _finite(t: torch.Tensor, what: str) -> torch.Tensor:
     if not bool(torch.isfinite(t).all()):
         raise ProtocolError(f"{what}: decoded tensor holds NaN or Inf")
+    if t.numel() and float(t.abs().max()) > MAX_ABS:
+        raise ProtocolError(f"{what}: decoded values exceed {MAX_ABS:g}")
     return t
 
 
@@ -87,7 +96,7 @@ def encode_raw(t: torch.Tensor) -> EncodedTensor:
 
 def decode_raw(enc: EncodedTensor, shape: tuple[int, ...]) -> torch.Tensor:
     _check_header(enc, "raw", shape, 1)
-    return _part(enc, 0, "float32", shape)
+    return _finite(_part(enc, 0, "float32", shape), "raw")
 
 
 def encode_fp16(t: torch.Tensor) -> EncodedTensor:

@@ -8,13 +8,16 @@ exactly the first attempt."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import trio
 
 from node.events import EventLog, read_events
@@ -28,8 +31,9 @@ from node.stage_compute import InnerConfig, StageCompute
 from node.worker import TorchWorker
 from protocol.control import PeerInfo
 from protocol.identity import NodeKey
-from protocol.pipeline import FORWARD_PROTOCOL, Forward
-from protocol.tensors import TensorFrame
+from protocol.message import Message
+from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
+from protocol.tensors import EncodedTensor, TensorFrame
 
 SEQ = 32
 INNER = InnerConfig(lr=1e-3, warmup_steps=1, weight_decay=0.0, inner_batch_tokens=10**9,
@@ -173,3 +177,70 @@ def test_serving_refuses_non_members_and_bans_bad_shapes(tmp_path: Path) -> None
 
         trio.run(main)
         assert s.served("a") == 0
+
+
+def _poisoned(grad: EncodedTensor, scale: float) -> EncodedTensor:
+    """The same codes with a forged global scale (the last part of a subspace encoding)."""
+    forged = TensorFrame.from_numpy(np.array([scale], dtype=np.float32))
+    return EncodedTensor(codec=grad.codec, shape=grad.shape, parts=[*grad.parts[:-1], forged])
+
+
+@pytest.mark.parametrize("scale", [3e38, float("nan"), float("inf")])
+def test_a_poisoned_gradient_counts_against_its_sender(tmp_path: Path, scale: float) -> None:
+    """A last-stage replica answers with a gradient that decodes to NaN, Inf or absurd
+    values: stage 0 refuses it before any weight sees it, avoids that replica, and trains
+    through the honest one."""
+    layout = [("s0", 0), ("rogue", 1), ("b", 1)]
+    with swarm(layout, FaultPlan(), tmp_path / "events.jsonl") as s:
+        honest = s.hops["rogue"].serve_forward
+
+        async def rogue(peer_id: str, msg: Message) -> Message:
+            reply = await honest(peer_id, msg)
+            assert isinstance(reply, Backward)
+            return dataclasses.replace(reply, grad=_poisoned(reply.grad, scale))
+
+        s.network.peers[s.ids["rogue"]].set_handler(FORWARD_PROTOCOL, rogue)
+        hop = s.hops["s0"]
+        assert hop.compute is not None
+        before = [p.detach().clone() for p in hop.compute.parameters()]
+        loss = trio.run(hop.run_microbatch, "1.1.0", rows(), lambda failures: failures > 3)
+        assert loss is not None and s.served("b") == 1
+        assert hop.router.peers[s.ids["rogue"]].banned_until > 0
+        [failed] = read_events(tmp_path / "events.jsonl", "forward_failed")
+        assert failed["peer"] == s.ids["rogue"]
+        hop.compute.step()  # the honest gradient alone reaches the weights
+        after = hop.compute.parameters()
+        assert all(bool(torch.isfinite(p).all()) for p in after)
+        assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_forwards_only_from_the_previous_stage_and_cached_per_sender(tmp_path: Path) -> None:
+    layout = [("s0", 0), ("t0", 0), ("m", 1), ("z", 2)]
+    with swarm(layout, FaultPlan(), tmp_path / "events.jsonl") as s:
+        m = s.ids["m"]
+        s0, t0 = s.hops["s0"], s.hops["t0"]
+        assert s0.compute is not None and t0.compute is not None
+        block = rows()
+
+        def forward(sender: PipelineHop) -> Forward:
+            assert sender.compute is not None
+            hidden = sender.compute.forward("same-id", block, None)
+            assert isinstance(hidden, EncodedTensor)
+            return Forward(mb_id="same-id", tokens=TensorFrame.from_numpy(block), hidden=hidden,
+                           route=[sender.transport.peer_id], deadline=1e12)  # fmt: skip
+
+        async def main() -> None:
+            # two stage-0 members may use the same micro-batch id: each gets its own entry
+            async with trio.open_nursery() as nursery:
+                for sender in (s0, t0):
+                    request = partial(sender.transport.request, timeout=5.0)
+                    nursery.start_soon(request, m, [], FORWARD_PROTOCOL, forward(sender))
+            # a stage-2 member is not a previous-stage peer of stage 1
+            z = s.network.peers[s.ids["z"]]
+            with pytest.raises(TransportError, match="stage 0 members only"):
+                await z.request(m, [], FORWARD_PROTOCOL, forward(s0), timeout=5)
+
+        trio.run(main)
+        assert s.served("m") == 2 and s.hops["m"].tokens_trained == 0  # not the last stage
+        m_compute = s.hops["m"].compute
+        assert m_compute is not None and m_compute.recomputes == 0
