@@ -4,7 +4,7 @@ One run of `agora chaos --minutes 1.5 --seed 3 --fault-every 12 --baseline none`
 coordinator and 2 stages x 2 replicas (tiny preset, DiLoCo outer rounds every 10 inner
 steps) under one fault of each kind (node SIGKILL + replacement, SIGSTOP zombie,
 coordinator SIGKILL + restart, streams cut mid-message, the rogue peer, a join timed to
-an outer round). Then it asserts what the issue asks: no lost and no duplicated range in
+an outer round). Then it asserts the promise: no lost and no duplicated range in
 the audit, no honest process that died other than by our own kills, and bounded RSS.
 
 RSS bound: 1536 MB of peak resident memory (VmHWM) per honest process. Measured peaks

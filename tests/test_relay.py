@@ -1,4 +1,4 @@
-"""Outbound-only peers reached through a circuit-relay v2 hop (issue 7, item 5).
+"""Outbound-only peers reached through a circuit-relay v2 hop.
 
 - In process: a hop relay, an outbound-only destination (`listen=[]`) that reserves a
   slot on it and announces only its circuit address, and a source that reaches it by

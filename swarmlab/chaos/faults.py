@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
-import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -16,7 +14,7 @@ import psutil
 
 from protocol.identity import NodeKey
 from swarmlab.chaos.schedule import Fault
-from swarmlab.procs import REPO, child_env
+from swarmlab.procs import REPO, spawn
 
 if TYPE_CHECKING:
     from swarmlab.chaos.run import Run
@@ -105,14 +103,12 @@ def rogue(run: Run, f: Fault, attacks: str) -> None:
     with run.lock:
         run.serial += 1
         out = run.workdir / f"rogue{run.serial}.json"
-    logf = (run.workdir / f"rogue{run.serial}.log").open("ab")
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "swarmlab.chaos.rogue", "--coordinator", run.swarm.address,
+    popen = spawn(
+        run.workdir / f"rogue{run.serial}.log",
+        ["-m", "swarmlab.chaos.rogue", "--coordinator", run.swarm.address,
          "--victim", peer, "--json", str(out), "--attacks", attacks],
-        stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=child_env(), cwd=REPO,
+        cwd=REPO,
     )  # fmt: skip
-    logf.close()
     with run.lock:
         run.rogue_procs.append((f.kind, popen, out))
     run.counts[f.kind] += 1

@@ -21,7 +21,7 @@ import psutil
 
 from node.events import read_events
 from swarmlab.chaos.faults import children, inject, signal_quietly
-from swarmlab.chaos.schedule import KINDS, ChaosConfig, Fault
+from swarmlab.chaos.schedule import KINDS, LEASE_TTL_S, ChaosConfig, Fault
 from swarmlab.procs import Proc
 from swarmlab.swarm import EVENTS_SUFFIX, LocalSwarm
 
@@ -43,6 +43,7 @@ class Run:
             workdir=self.workdir,
             preset=cfg.preset,
             stages=2,
+            run_config={"lease_ttl_s": LEASE_TTL_S},  # zombies are held past it
             node_args=["--outer-every-steps", str(cfg.outer_every_steps)],
         )
         self.lock = threading.RLock()

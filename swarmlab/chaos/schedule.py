@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 KINDS = ("kill_node", "zombie", "kill_coordinator", "cut_stream", "rogue", "join_mid_round")
-LEASE_TTL_S = 10.0  # the LocalSwarm run's lease TTL (run.toml), seconds
+LEASE_TTL_S = 10.0  # the chaos swarm's lease TTL (its run.toml), seconds
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
