@@ -14,12 +14,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swarmlab.procs import REPO, Proc, child_env, free_port, spawn
+from swarmlab.procs import REPO, Proc, child_env, free_port, spawn, wait_for
 
 
 @dataclass
@@ -79,15 +78,20 @@ def start_coordinator(
     ]  # fmt: skip
     log = workdir / f"{name}.log"
     proc = CoordinatorProc(name, spawn(log, argv, cwd=workdir, env=env), log, metrics_port)
-    deadline = time.monotonic() + timeout_s
-    while not (port_file.exists() and port_file.read_text().strip()):
+
+    def bound() -> str:
         if not proc.alive():
             raise RuntimeError(f"{name} exited with {proc.popen.returncode}:\n{proc.tail(40)}")
-        if time.monotonic() > deadline:
-            proc.signal(signal.SIGKILL)
-            raise TimeoutError(f"{name} did not bind a port within {timeout_s:g}s:\n{proc.tail()}")
-        time.sleep(0.01)
-    proc.port = int(port_file.read_text().strip())
+        return port_file.read_text().strip() if port_file.exists() else ""
+
+    try:
+        port_text = wait_for(
+            bound, f"{name} to bind a port", timeout_s, poll_s=0.01, detail=proc.tail
+        )
+    except TimeoutError:
+        proc.signal(signal.SIGKILL)
+        raise
+    proc.port = int(port_text)
     return proc
 
 
