@@ -2,7 +2,7 @@
 
 Three runs on the same model preset, seed, corpus and held-out set:
 1. **central**: `node.baseline.train` on one process (the reference);
-2. **swarm**: a real coordinator and 2 stages x 2 replicas on loopback (node.swarm),
+2. **swarm**: a real coordinator and 2 stages x 2 replicas on loopback (`LocalSwarm`),
    `subspace_int4` boundaries, DiLoCo outer rounds, trained until the coordinator has
    committed the same number of tokens, then drained;
 3. **swarm + churn**: the same, but a replica is SIGKILLed and a fresh node started in
@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,12 +36,12 @@ from node.baseline import TrainConfig, evaluate_weights, rich_progress, train
 from node.data import Dataset, load_dataset
 from node.export import export_checkpoints
 from node.model import build_stage, load_export, preset
-from node.swarm import LocalSwarm, child_env, workdir_path
+from swarmlab.procs import workdir_path
+from swarmlab.swarm import LocalSwarm
 
 STAGES = 2
 REPLICAS = 2
 CODEC = "subspace_int4"
-_TRAINED = re.compile(r"left the run \((\d+) tokens trained")  # a node's exit line
 SCRAPED = (
     "agora_node_outer_bytes_total",
     "agora_node_tokens_total",
@@ -110,26 +108,21 @@ class SwarmRun:
     events: list[str] = field(default_factory=list)
 
 
-def _node_toml(args: argparse.Namespace, inner_tokens: int, path: Path) -> Path:
-    lines = [
-        "[node]",
-        f"micro_batch = {args.micro_batch}",
-        f"seq_len = {args.seq_len}",
-        f"inner_batch_tokens = {inner_tokens}",
-        f"lr = {args.lr}",
-        f"warmup_steps = {args.warmup}",
-        f"outer_every_steps = {args.outer_every_steps}",
-        f'outer_compression = "{args.outer_compression}"',
-        "checkpoint_every_rounds = 1",
-    ]
-    if args.participation_power is not None:
-        lines.append(f"outer_participation_power = {args.participation_power}")
-    if args.outer_lr is not None:
-        lines.append(f"outer_lr = {args.outer_lr}")
-    if args.outer_momentum is not None:
-        lines.append(f"outer_momentum = {args.outer_momentum}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
+def _node_config(args: argparse.Namespace, inner_tokens: int) -> dict[str, Any]:
+    """The nodes' `[node]` settings; None (an option not given) leaves the node default."""
+    return {
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "inner_batch_tokens": inner_tokens,
+        "lr": args.lr,
+        "warmup_steps": args.warmup,
+        "outer_every_steps": args.outer_every_steps,
+        "outer_compression": args.outer_compression,
+        "checkpoint_every_rounds": 1,
+        "outer_participation_power": args.participation_power,
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
+    }
 
 
 def _say(quiet: bool, text: str) -> None:
@@ -147,11 +140,9 @@ def run_swarm(
 
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    toml = _node_toml(args, inner_tokens, workdir / "node.toml")
-    swarm = LocalSwarm(
-        workdir=workdir, preset=args.preset, stages=STAGES, codec=CODEC,
-        node_args=["--config", str(toml)],
-    )  # fmt: skip
+    swarm = LocalSwarm(workdir=workdir, preset=args.preset, stages=STAGES, codec=CODEC)
+    toml = swarm.write_node_config(**_node_config(args, inner_tokens))
+    swarm.node_args = ["--config", str(toml)]
     ckpt: dict[str, Path] = {}
     last: dict[str, dict[str, float]] = {}  # node -> last scraped metrics
 
@@ -216,10 +207,7 @@ def run_swarm(
     bad = {n: c for n, c in codes.items() if c not in (0, -9)}
     if bad:
         raise RuntimeError(f"{label}: nodes exited badly {bad}")
-    audit = subprocess.run(
-        [sys.executable, "-m", "coordinator.audit", "--db", str(swarm.db)],
-        capture_output=True, text=True, env=child_env(), timeout=120,
-    )  # fmt: skip
+    audit = swarm.audit()
     export_dir = workdir / "export"
     # a node killed before its first applied round never wrote a checkpoint
     got = export_checkpoints([d for d in ckpt.values() if d.is_dir()], export_dir)
@@ -239,7 +227,7 @@ def run_swarm(
         inner_steps=steps,
         outer_rounds=sum(m["agora_node_outer_steps_total"] for m in last.values()),
         seconds=seconds,
-        audit_clean=audit.returncode == 0,
+        audit_clean=audit.clean,
         rounds=got.rounds,
         events=events,
     )
@@ -348,14 +336,17 @@ def main(argv: list[str]) -> int:
 
 
 def _stage0_trained(swarm: LocalSwarm, last: dict[str, dict[str, float]]) -> int:
-    """Tokens the stage-0 nodes trained: from each one's exit line (which counts the
+    """Tokens the stage-0 nodes trained: from each one's `left` event (which counts the
     windows a drain trains after the last scrape), else its last scraped counter."""
     total = 0
-    for name, proc in swarm.nodes.items():
+    for name in swarm.nodes:
         if name[1] != "0":
             continue
-        m = _TRAINED.search(proc.log.read_text(errors="replace"))
-        total += int(m.group(1)) if m else int(last.get(name, {}).get("agora_node_tokens_total", 0))
+        left = swarm.events(name, "left")
+        if left:
+            total += int(left[-1]["tokens_trained"])
+        else:
+            total += int(last.get(name, {}).get("agora_node_tokens_total", 0))
     return total
 
 

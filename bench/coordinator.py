@@ -35,6 +35,9 @@ from protocol.framing import FrameDecoder, frame_message
 from protocol.identity import NodeKey
 from protocol.message import Message
 from protocol.signing import sign_request
+from swarmlab.configs import write_toml
+from swarmlab.coordinator import CoordinatorProc, start_coordinator
+from swarmlab.procs import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,40 +199,6 @@ def run_worker(argv: list[str]) -> int:
     return 0
 
 
-def start_coordinator(
-    tmp: Path, db: Path, env: dict[str, str]
-) -> tuple[subprocess.Popen[bytes], int, float]:
-    port_file = tmp / f"port-{time.monotonic_ns()}"
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "coordinator.main",
-            "--config",
-            str(tmp / "run.toml"),
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            "--db",
-            str(db),
-            "--log-level",
-            "WARNING",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp / "coord.log", "a"),
-    )
-    deadline = time.monotonic() + 120
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"coordinator failed to start; see {tmp / 'coord.log'}")
-        time.sleep(0.01)
-    return proc, int(port_file.read_text()), t0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
@@ -248,26 +217,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expiry-slack", type=float, help="coordinator expiry_slack_s (its default)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = child_env()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         data = tmp / "data"
         data.mkdir()
         (data / "a.txt").write_bytes(os.urandom(3 << 20).hex().encode()[: 4 << 20])
-        (tmp / "run.toml").write_text(
-            f'dataset = "{data}"\nshard_tokens = 16384\nheartbeat_interval_s = {args.interval}\n'
-            f'lease_ttl_s = {max(30.0, 4 * args.interval)}\nsync = "{args.sync}"\n'
-            "rate_per_peer = 1000.0\nrate_burst = 1000.0\nmax_leases_per_peer = 4\n"
-            "min_grant_tokens = 1\n"
-            + (
-                f"verify_threads = {args.verify_threads}\n"
-                if args.verify_threads is not None
-                else ""
-            )
-            + (f"expiry_slack_s = {args.expiry_slack}\n" if args.expiry_slack is not None else "")
+        config = write_toml(
+            tmp / "run.toml",
+            {
+                "dataset": str(data),
+                "shard_tokens": 16384,
+                "heartbeat_interval_s": args.interval,
+                "lease_ttl_s": max(30.0, 4 * args.interval),
+                "sync": args.sync,
+                "rate_per_peer": 1000.0,
+                "rate_burst": 1000.0,
+                "max_leases_per_peer": 4,
+                "min_grant_tokens": 1,
+                "verify_threads": args.verify_threads,  # None: the coordinator's default
+                "expiry_slack_s": args.expiry_slack,
+            },
         )
         db = tmp / "bench.sqlite"
-        proc, port, _ = start_coordinator(tmp, db, env)
+
+        def start() -> CoordinatorProc:
+            return start_coordinator(
+                tmp, config=config, db=db, args=["--log-level", "WARNING"], env=env,
+                timeout_s=120,
+            )  # fmt: skip
+
+        coord = start()
+        proc, port = coord.popen, coord.port
         per = [
             args.peers // args.procs + (1 if i < args.peers % args.procs else 0)
             for i in range(args.procs)
@@ -308,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(json.loads((tmp / f"w{i}.json").read_text()))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        proc2, port2, t0 = start_coordinator(tmp, db, env)
+        t0 = time.perf_counter()
+        coord2 = start()
+        proc2, port2 = coord2.popen, coord2.port
         from coordinator.status import fetch_status
 
         while True:

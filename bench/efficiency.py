@@ -115,7 +115,7 @@ class Shaping:
 
 
 def _start_proxy(sh: Shaping, workdir: Path, routes: list[tuple[int, int]]) -> None:
-    from node.swarm import child_env
+    from swarmlab.procs import child_env, wait_for
 
     ready = workdir / "proxy.ready"
     sh.stats_file = workdir / "proxy-stats.json"
@@ -124,54 +124,52 @@ def _start_proxy(sh: Shaping, workdir: Path, routes: list[tuple[int, int]]) -> N
             "--ready-file", str(ready), "--stats", str(sh.stats_file),
             *[f"--route={a}={r}" for r, a in routes]]  # fmt: skip
     log = (workdir / "proxy.log").open("ab")
-    sh.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    proxy = sh.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env())
     log.close()
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        if sh.proxy.poll() is not None:
-            raise RuntimeError(f"shaping proxy exited with {sh.proxy.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError("shaping proxy did not start within 30 s")
-        time.sleep(0.05)
+
+    def started() -> bool:
+        if proxy.poll() is not None:
+            raise RuntimeError(f"shaping proxy exited with {proxy.returncode}")
+        return ready.exists()
+
+    wait_for(started, "the shaping proxy to start", 30)
 
 
 def _add_shaped_node(
     sw: Any, name: str, stage: int, coordinator: str, real: int, ann: int, config: Path
 ) -> None:
     """Like LocalSwarm.add_node, but through bench.shaped_node (announcing the proxy port)."""
-    from node.swarm import Proc, child_env, free_port
+    from swarmlab.procs import Proc, child_env, free_port, spawn
 
     metrics_port = free_port()
     env = child_env()
     env["AGORA_ANNOUNCE_PORTS"] = f"{real}={ann}"
     log = sw.workdir / f"{name}.log"
-    fh = log.open("ab")
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "bench.shaped_node",
+    popen = spawn(
+        log,
+        ["-m", "bench.shaped_node",
          "--coordinator", coordinator,
          "--identity", str(sw.workdir / f"{name}.key"),
          "--metrics-port", str(metrics_port),
+         "--events", str(sw.events_path(name)),
          "--listen", f"/ip4/127.0.0.1/tcp/{real}",
          "--config", str(config),
          "--stage", str(stage)],
-        stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=sw.workdir,
+        cwd=sw.workdir, env=env,
     )  # fmt: skip
-    fh.close()
     sw.nodes[name] = Proc(name, popen, log, metrics_port, stage)
 
 
-def _node_config(workdir: Path, outer_every_steps: int) -> Path:
+def _node_config(sw: Any, outer_every_steps: int) -> Path:
     """A node TOML for every swarm node (the outer-loop setting where the node has it)."""
     from node.config import NodeConfig
 
-    path = workdir / "node.toml"
-    text = "[node]\n"
+    values: dict[str, Any] = {}
     if "outer_every_steps" in NodeConfig.__dataclass_fields__:
-        text += f"outer_every_steps = {outer_every_steps}\n"
+        values["outer_every_steps"] = outer_every_steps
     elif outer_every_steps:
         raise ValueError("this node has no outer loop setting (outer_every_steps)")
-    path.write_text(text)
-    return path
+    return Path(sw.write_node_config(**values))
 
 
 def _histogram(scraped: dict[str, float], name: str) -> tuple[float, float]:
@@ -206,11 +204,13 @@ def measure_swarm(
     outer_every_steps: int,
     quiet: bool,
 ) -> dict[str, Any]:
-    from node.swarm import LocalSwarm, free_port
+    from swarmlab.procs import free_port
+    from swarmlab.swarm import LocalSwarm
 
     workdir.mkdir(parents=True, exist_ok=True)
-    config = _node_config(workdir, outer_every_steps)
-    sw = LocalSwarm(workdir=workdir, preset=preset, stages=2, node_args=["--config", str(config)])
+    sw = LocalSwarm(workdir=workdir, preset=preset, stages=2)
+    config = _node_config(sw, outer_every_steps)
+    sw.node_args = ["--config", str(config)]
     try:
         sw.start_coordinator()
         if shaping is None:
@@ -229,11 +229,11 @@ def measure_swarm(
                 _add_shaped_node(sw, name, stage, f"127.0.0.1:{coord_ann}", real, ann, config)
         _say("swarm starting (4 nodes import torch and build their stages)", quiet)
         sw.wait_for(
-            lambda: _stage0_snapshot(sw)["trained"] > 0, 240, "the first trained micro-batch"
+            lambda: _stage0_snapshot(sw)["trained"] > 0, "the first trained micro-batch", 240
         )
         first = time.monotonic()
         _say(f"training; steady-state window starts in {warmup_s:.0f} s", quiet)
-        sw.wait_for(lambda: time.monotonic() - first >= warmup_s, warmup_s + 5, "warm-up", 0.2)
+        sw.wait_for(lambda: time.monotonic() - first >= warmup_s, "warm-up", warmup_s + 5, 0.2)
         for name, proc in sw.nodes.items():
             if not proc.alive():
                 raise RuntimeError(f"node {name} exited:\n{proc.tail()}")
@@ -246,7 +246,7 @@ def measure_swarm(
         cpu0 = {n: _cpu_seconds(p) for n, p in pids.items()}
         snap0 = _stage0_snapshot(sw)
         _say(f"measuring for {window_s:.0f} s", quiet)
-        sw.wait_for(lambda: time.monotonic() - t0 >= window_s, window_s + 5, "the window", 0.2)
+        sw.wait_for(lambda: time.monotonic() - t0 >= window_s, "the window", window_s + 5, 0.2)
         st1, t1 = sw.status(), time.monotonic()
         cpu1 = {n: _cpu_seconds(p) for n, p in pids.items()}
         snap1 = _stage0_snapshot(sw)
@@ -363,7 +363,7 @@ def _central_pair(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from node.swarm import workdir_path
+    from swarmlab.procs import workdir_path
 
     p = argparse.ArgumentParser(
         prog="agora bench efficiency",

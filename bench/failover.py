@@ -16,7 +16,8 @@ node is replaced by a fresh node on its stage, which must train before the next 
 (not after the last one). Trial kinds, alternating:
 
 1. **re-route** (a stage-1 replica dies). Stage 0 learns it when a request through the
-   victim fails: stage-0 logs "<mb> failed via <victim>" (timestamped to the ms), the
+   victim fails: stage 0 writes a `forward_failed` event naming the micro-batch and the
+   victim (its event file, unix time), the
    micro-batch is retried through the other replica after a 0.5 s back-off, and the
    victim is banned in the router. `reroute_seconds` is kill -> the commit of the first
    such re-routed micro-batch (it completed through the survivor: the victim is dead);
@@ -44,7 +45,7 @@ node is replaced by a fresh node on its stage, which must train before the next 
    so a survivor would get its own shard back first).
 
 Times are wall-clock seconds measured by this process (kill) and by the coordinator
-and nodes (records and logs) on the same machine. At the end every node is drained,
+and nodes (audit records, node events, the coordinator's log) on the same machine. At the end every node is drained,
 the coordinator stopped and `agora audit` replays the lease log: lost and duplicated
 ranges must be 0. Exit 0 iff every trial measured and the audit is clean.
 """
@@ -69,16 +70,15 @@ import psutil
 
 from coordinator.config import CoordinatorConfig
 from coordinator.journal import AuditEvent
-from node.chaos import audit_db
 from node.config import NodeConfig
 from node.routing import Router
-from node.swarm import LocalSwarm, Proc, workdir_path
 from protocol.identity import NodeKey
+from swarmlab.procs import Proc, workdir_path
+from swarmlab.swarm import LocalSwarm
 
 STAGES = 2
-POLL_S = 0.2  # seconds between polls of the audit log and the logs
-_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-_FAILED = re.compile(r"node: (\d+)\.(\d+)\.(\d+) failed via (\S+) \(")
+POLL_S = 0.2  # seconds between polls of the audit log, node events and the coordinator log
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # coordinator log
 TIMES = (  # (JSON key, table label: seconds from the kill to ...)
     ("reroute_detect_seconds", "a request via the victim fails"),
     ("reroute_seconds", "first re-routed micro-batch done"),
@@ -207,21 +207,16 @@ class Bench:
         self.args = args
         self.workdir = workdir
         self.t_start = time.monotonic()
-        coord_toml = workdir / "failover.toml"
-        coord_toml.write_text(
-            f'run_id = "bench-failover"\nmodel_preset = "{args.preset}"\n'
-            f'n_stages = {STAGES}\ncodec = "subspace_int4"\n'
-            f"heartbeat_interval_s = {args.heartbeat}\nlease_ttl_s = {args.lease_ttl}\n"
-            f"sweep_interval_s = {args.sweep}\nshard_tokens = {args.shard_tokens}\n"
-        )
-        node_toml = workdir / "node.toml"
-        node_toml.write_text(f"[node]\nouter_every_steps = {args.outer_every_steps}\n")
-        # A later --config wins over the one LocalSwarm writes (argparse: last value).
         self.swarm = LocalSwarm(
-            workdir=workdir, preset=args.preset, stages=STAGES,
-            coordinator_args=["--config", str(coord_toml)],
-            node_args=["--config", str(node_toml)],
+            workdir=workdir, preset=args.preset, stages=STAGES, codec="subspace_int4",
+            run_config={
+                "run_id": "bench-failover", "heartbeat_interval_s": args.heartbeat,
+                "lease_ttl_s": args.lease_ttl, "sweep_interval_s": args.sweep,
+                "shard_tokens": args.shard_tokens,
+            },
         )  # fmt: skip
+        node_toml = self.swarm.write_node_config(outer_every_steps=args.outer_every_steps)
+        self.swarm.node_args = ["--config", str(node_toml)]
         self.killed: set[str] = set()
         self.idle_replacements: list[str] = []  # replacements that got no work in time
         self.serial = 0
@@ -326,20 +321,17 @@ class Bench:
         return None
 
     def failures(self, names: list[str], victim: str, since: float) -> list[dict[str, Any]]:
-        """Stage-0 micro-batches that failed via `victim` after `since` (from node logs)."""
+        """Stage-0 micro-batches that failed via `victim` after `since` (their
+        `forward_failed` events; a micro-batch id is LEASE.EPOCH.START)."""
         out = []
         for n in names:
-            text = self.swarm.nodes[n].log.read_text(errors="replace")
-            for line in text.splitlines():
-                m = _FAILED.search(line)
-                if not m or m.group(4) != victim:
+            for ev in self.swarm.events(n, "forward_failed"):
+                if ev["peer"] != victim or ev["t"] < since - 0.5:
                     continue
-                t = _log_time(line)
-                if t is None or t < since - 0.5:  # log times are ms, kill time is µs
-                    continue
+                lease_id, epoch, start = (int(x) for x in str(ev["mb_id"]).split("."))
                 out.append(
-                    {"node": n, "holder": self.peer_id(n), "t": t, "lease_id": int(m.group(1)),
-                     "epoch": int(m.group(2)), "start": int(m.group(3))}
+                    {"node": n, "holder": self.peer_id(n), "t": ev["t"], "lease_id": lease_id,
+                     "epoch": epoch, "start": start}
                 )  # fmt: skip
         return out
 
@@ -522,7 +514,7 @@ class Bench:
         self.swarm.stop_coordinator()
         bad = {n: c for n, c in codes.items() if n not in self.killed and c != 0}
         self.say("running agora audit")
-        audit = audit_db(self.swarm.db, self.workdir / "audit.json")
+        audit = self.swarm.audit(self.workdir / "audit.json").summary()
         return {
             "trials": trials, "audit": audit, "exit_codes": codes, "bad_exits": bad,
             "idle_replacements": self.idle_replacements,
@@ -572,7 +564,7 @@ def build_report(args: argparse.Namespace, workdir: Path, got: dict[str, Any]) -
     }
     out["signals"] = {
         "kill": "time.time() in the bench just before SIGKILL",
-        "reroute": "stage-0 node log 'failed via <victim>' (ms) names the micro-batch; its"
+        "reroute": "stage-0 node event forward_failed via <victim> names the micro-batch; its"
         " range's `commit` record in the coordinator's audit log (SQLite, time.time() at the"
         " coordinator) is its completion through the survivor (an upper bound by one commit"
         " round trip)",

@@ -23,6 +23,8 @@ from typing import Any
 
 import trio
 
+from swarmlab.procs import child_env
+
 MIB = 1024 * 1024
 SIZES = {"1MiB": 1 * MIB, "64MiB": 64 * MIB}
 MAX_FRAME = 80 * MIB  # bytes; raised from the 64 MiB default so a 64 MiB payload fits
@@ -171,7 +173,7 @@ def main(argv: list[str]) -> int:
         [sys.executable, "-m", "bench.transport", "--serve"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=child_env(),
     )
     try:
         assert server.stdout is not None

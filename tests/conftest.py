@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from swarmlab.procs import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
@@ -38,12 +40,7 @@ def reap_children() -> Iterator[None]:
             pass
 
 
-@pytest.fixture
-def child_env() -> dict[str, str]:
-    """Environment for subprocesses: one torch thread each, repo on the path."""
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["MKL_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(REPO)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+@pytest.fixture(name="child_env")
+def child_env_fixture() -> dict[str, str]:
+    """`swarmlab.procs.child_env()`: one torch thread each, this checkout on the path."""
+    return child_env()

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,13 +44,3 @@ def job_states(name: str) -> dict[str, str]:
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout  # fmt: skip
     return dict(line.split("|", 1) for line in out.split() if "|" in line)
-
-
-def wait_until(
-    pred: Callable[[], object], timeout_s: float, what: str, poll_s: float = 1.0
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(poll_s)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from node.swarm import child_env
+from swarmlab.procs import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 TIME_KEYS = (
@@ -35,7 +35,7 @@ TIME_KEYS = (
 def test_failover_bench_one_trial(tmp_path: Path) -> None:
     out = tmp_path / "failover.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "node.cli", "bench", "failover", "--trials", "1",
+        [sys.executable, "-m", "swarmlab.cli", "bench", "failover", "--trials", "1",
          "--json", str(out), "--workdir", str(tmp_path / "work"),
          "--start-timeout", "150", "--trial-timeout", "60"],
         capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=285,

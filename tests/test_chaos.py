@@ -1,10 +1,10 @@
-"""A short `agora chaos` run with a fixed seed: the promise of DESIGN section 8, checked.
+"""A short `agora chaos` run with a fixed seed: the failure-model promise, checked.
 
 One run of `agora chaos --minutes 1.5 --seed 3 --fault-every 12 --baseline none`: a
 coordinator and 2 stages x 2 replicas (tiny preset, DiLoCo outer rounds every 10 inner
 steps) under one fault of each kind (node SIGKILL + replacement, SIGSTOP zombie,
 coordinator SIGKILL + restart, streams cut mid-message, the rogue peer, a join timed to
-an outer round). Then it asserts what the issue asks: no lost and no duplicated range in
+an outer round). Then it asserts the promise: no lost and no duplicated range in
 the audit, no honest process that died other than by our own kills, and bounded RSS.
 
 RSS bound: 1536 MB of peak resident memory (VmHWM) per honest process. Measured peaks
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from node.chaos import KINDS, ChaosConfig, plan
-from node.swarm import child_env
+from swarmlab.chaos.schedule import KINDS, ChaosConfig, plan
+from swarmlab.procs import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_RSS_MB = 1536.0  # per honest process; see the module docstring
@@ -60,7 +60,7 @@ def test_config_rejects_bad_values() -> None:
 def test_short_chaos_run(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "node.cli", "chaos", "--minutes", "1.5", "--seed", "3",
+        [sys.executable, "-m", "swarmlab.cli", "chaos", "--minutes", "1.5", "--seed", "3",
          "--fault-every", "12", "--baseline", "none", "--workdir", str(tmp_path / "w"),
          "--json", str(out)],
         env=child_env(), capture_output=True, text=True, timeout=840, cwd=REPO,

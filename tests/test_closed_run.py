@@ -2,7 +2,7 @@
 
 For each closed auth mode (`token`, `allowlist`) a real coordinator and two real nodes
 (stage 0 and stage 1, tiny preset, no outer loop) run on loopback. A rogue process
-(`node.chaos_rogue`) then:
+(`swarmlab.chaos.rogue`) then:
 
 - `outsider`: with a fresh key, joins without the token (and with a wrong one): the
   coordinator answers `unauthorized`; then it sends a well-formed Forward to the honest
@@ -19,14 +19,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from node.swarm import LocalSwarm, child_env
 from protocol.identity import NodeKey
+from swarmlab.procs import child_env
+from swarmlab.swarm import LocalSwarm
 
 REPO = Path(__file__).resolve().parent.parent
 START_S = 200.0  # seconds for the nodes to import torch, build and serve (loaded box)
@@ -34,39 +34,38 @@ STOP_S = 150.0  # seconds for the drain and exit of both nodes (loaded box)
 TOKEN = "closed-run-s3cret"
 
 
-def _wait(swarm: LocalSwarm, what: str, timeout_s: float, pred: object) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():  # type: ignore[operator]
+def _wait(swarm: LocalSwarm, what: str, timeout_s: float, pred: Callable[[], object]) -> None:
+    """`LocalSwarm.wait_for`, failing at once if a node exits meanwhile."""
+
+    def check() -> object:
         for name, proc in swarm.nodes.items():
             assert proc.alive(), f"{name} exited {proc.popen.returncode}:\n{proc.tail(30)}"
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {n}:\n{p.tail(15)}" for n, p in swarm.nodes.items())
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tails}")
-        time.sleep(0.5)
+        return pred()
+
+    swarm.wait_for(check, what, timeout_s)
 
 
 def _closed_swarm(workdir: Path, mode: str, keys: dict[str, NodeKey]) -> LocalSwarm:
     """A swarm whose coordinator runs in auth `mode`; nodes use the token / listed keys."""
     for name, key in keys.items():
         (workdir / f"{name}.key").write_bytes(key.seed)
-    allow = ", ".join(f'"{k.peer_id}"' for k in keys.values())
-    toml = workdir / "closed.toml"
-    toml.write_text(
-        'run_id = "closed"\nmodel_preset = "tiny"\nn_stages = 2\ncodec = "subspace_int8"\n'
-        "heartbeat_interval_s = 1.0\nlease_ttl_s = 10.0\n"
-        + (f'auth = "token"\njoin_token = "{TOKEN}"\n' if mode == "token" else "")
-        + (f'auth = "allowlist"\nallowlist = [{allow}]\n' if mode == "allowlist" else "")
-    )
-    node_toml = workdir / "node.toml"
-    node_toml.write_text("[node]\nouter_every_steps = 0\n")
-    return LocalSwarm(
+    auth: dict[str, object] = {}
+    if mode == "token":
+        auth = {"auth": "token", "join_token": TOKEN}
+    elif mode == "allowlist":
+        auth = {"auth": "allowlist", "allowlist": [k.peer_id for k in keys.values()]}
+    swarm = LocalSwarm(
         workdir=workdir,
         preset="tiny",
         stages=2,
-        coordinator_args=["--config", str(toml)],  # the last --config wins
-        node_args=["--config", str(node_toml)]
-        + (["--join-token", TOKEN] if mode == "token" else []),
+        codec="subspace_int8",
+        run_config={"run_id": "closed", **auth},
     )
+    node_toml = swarm.write_node_config(outer_every_steps=0)
+    swarm.node_args = ["--config", str(node_toml)] + (
+        ["--join-token", TOKEN] if mode == "token" else []
+    )
+    return swarm
 
 
 @pytest.fixture(params=["token", "allowlist"])
@@ -95,7 +94,7 @@ def test_outsider_refused_at_join_and_on_the_data_plane(closed: tuple[str, Local
     victim = NodeKey((swarm.workdir / "a1.key").read_bytes()).peer_id
     out = swarm.workdir / "rogue.json"
     rogue = subprocess.run(
-        [sys.executable, "-m", "node.chaos_rogue", "--coordinator", swarm.address,
+        [sys.executable, "-m", "swarmlab.chaos.rogue", "--coordinator", swarm.address,
          "--victim", victim, "--json", str(out), "--attacks", "outsider,control",
          *(["--join-token", TOKEN] if mode == "token" else []),
          "--identity", str(swarm.workdir / "insider.key")],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from coordinator_harness import Coordinator, wait_for, write_config
+from coordinator_harness import write_config
 
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
 from protocol import control as c
@@ -20,6 +20,7 @@ from protocol.codec import decode
 from protocol.framing import FrameDecoder, frame_message
 from protocol.identity import NodeKey
 from protocol.signing import sign_request
+from swarmlab.coordinator import start_coordinator
 
 FAST = ClientConfig(call_timeout_s=5.0, retry_deadline_s=30.0)
 
@@ -55,7 +56,7 @@ def _metric(port: int, name: str) -> float:
     return float(m.group(1))
 
 
-def test_bad_frames_flood_auth_admin_and_replay(tmp_path: Path, child_env: dict[str, str]) -> None:
+def test_bad_frames_flood_auth_admin_and_replay(tmp_path: Path) -> None:
     cfg = write_config(
         tmp_path,
         auth="token",
@@ -63,14 +64,9 @@ def test_bad_frames_flood_auth_admin_and_replay(tmp_path: Path, child_env: dict[
         admin_token="s3cret-admin",
         max_connections=40,
         idle_timeout_s=1.5,
-        metrics_port=0,
     )
-    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
-    mport = int(
-        wait_for(
-            lambda: re.search(r"metrics on 127.0.0.1:(\d+)", coord.output()), "metrics line"
-        ).group(1)
-    )
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite", metrics=True)
+    mport = coord.metrics_port
     key = NodeKey.generate()
 
     # garbage inside a frame: error reply, connection closed
@@ -142,10 +138,10 @@ def test_bad_frames_flood_auth_admin_and_replay(tmp_path: Path, child_env: dict[
     assert coord.stop() == 0
 
 
-def test_allowlist_mode(tmp_path: Path, child_env: dict[str, str]) -> None:
+def test_allowlist_mode(tmp_path: Path) -> None:
     good, bad = NodeKey.generate(), NodeKey.generate()
     cfg = write_config(tmp_path, auth="allowlist", allowlist=[good.peer_id])
-    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
     assert _honest(coord.port, good).peers == 1
     with pytest.raises(CoordinatorError) as err:
         _honest(coord.port, bad)

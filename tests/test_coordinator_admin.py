@@ -8,7 +8,6 @@ the incremental audit monitor (checked against `agora audit`'s replay)."""
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from coordinator_harness import REPO, SHARD_TOKENS, Coordinator, wait_for, write_config
+from coordinator_harness import SHARD_TOKENS, write_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +28,8 @@ from coordinator.membership import BANNED, LEFT, Membership, Peer
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
 from protocol import control as c
 from protocol.identity import NodeKey
+from swarmlab.coordinator import CoordinatorProc, start_coordinator
+from swarmlab.procs import REPO, wait_for
 
 FAST = ClientConfig(call_timeout_s=5.0, retry_deadline_s=20.0)
 ADMIN = "adm1n-t0ken"
@@ -45,10 +46,10 @@ async def _error_code(coro) -> str:  # type: ignore[no-untyped-def]
 # --- admin calls ---------------------------------------------------------------------
 
 
-def test_drain_and_ban_over_the_wire(tmp_path: Path, child_env: dict[str, str]) -> None:
+def test_drain_and_ban_over_the_wire(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, admin_token=ADMIN, lease_ttl_s=20.0, heartbeat_interval_s=1.0)
     db = tmp_path / "c.sqlite"
-    coord = Coordinator(tmp_path, cfg, db, child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=db)
     ka, kb, kc, kadmin = (NodeKey.generate() for _ in range(4))
 
     async def phase1() -> None:
@@ -95,7 +96,7 @@ def test_drain_and_ban_over_the_wire(tmp_path: Path, child_env: dict[str, str]) 
 
     trio.run(phase1)
     assert coord.kill(signal.SIGKILL) == -signal.SIGKILL
-    coord = Coordinator(tmp_path, cfg, db, child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=db)
 
     async def phase2() -> None:
         async with CoordinatorClient("127.0.0.1", coord.port, kb, config=FAST) as b:
@@ -110,12 +111,12 @@ def test_drain_and_ban_over_the_wire(tmp_path: Path, child_env: dict[str, str]) 
 # --- deadline-aware granting ---------------------------------------------------------
 
 
-def test_deadline_aware_granting(tmp_path: Path, child_env: dict[str, str]) -> None:
+def test_deadline_aware_granting(tmp_path: Path) -> None:
     margin = 5.0
     cfg = write_config(
         tmp_path, deadline_margin_s=margin, lease_ttl_s=20.0, heartbeat_interval_s=1.0
     )
-    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
     rate = 10.0  # tokens/s
     kshort, klong, kfree = (NodeKey.generate() for _ in range(3))
 
@@ -153,11 +154,8 @@ def test_deadline_aware_granting(tmp_path: Path, child_env: dict[str, str]) -> N
 # --- Prometheus file-SD and the audit gauge ------------------------------------------
 
 
-def _metrics_url(coord: Coordinator) -> str:
-    m = wait_for(
-        lambda: re.search(r"metrics on ([\d.]+):(\d+)", coord.output()), "metrics port line"
-    )
-    return f"http://{m.group(1)}:{m.group(2)}/metrics"
+def _metrics_url(coord: CoordinatorProc) -> str:
+    return f"http://127.0.0.1:{coord.metrics_port}/metrics"
 
 
 def _sd_targets(path: Path) -> dict[str, str]:
@@ -172,13 +170,11 @@ def _sd_targets(path: Path) -> dict[str, str]:
     return out
 
 
-def test_file_sd_follows_joins_and_leaves(tmp_path: Path, child_env: dict[str, str]) -> None:
+def test_file_sd_follows_joins_and_leaves(tmp_path: Path) -> None:
     sd = tmp_path / "sd" / "agora-nodes.json"
     sd.parent.mkdir()
-    cfg = write_config(
-        tmp_path, prometheus_sd=str(sd), metrics_port=0, lease_ttl_s=20.0, heartbeat_interval_s=1.0
-    )
-    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+    cfg = write_config(tmp_path, prometheus_sd=str(sd), lease_ttl_s=20.0, heartbeat_interval_s=1.0)
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite", metrics=True)
     url = _metrics_url(coord)
     ka, kb = NodeKey.generate(), NodeKey.generate()
 
@@ -212,13 +208,11 @@ def test_file_sd_follows_joins_and_leaves(tmp_path: Path, child_env: dict[str, s
 # --- rebalancing ---------------------------------------------------------------------
 
 
-def test_rebalance_moves_a_peer_to_the_weak_stage(
-    tmp_path: Path, child_env: dict[str, str]
-) -> None:
+def test_rebalance_moves_a_peer_to_the_weak_stage(tmp_path: Path) -> None:
     cfg = write_config(
         tmp_path, rebalance_interval_s=0.3, lease_ttl_s=20.0, heartbeat_interval_s=1.0
     )
-    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
     keys = [NodeKey.generate() for _ in range(4)]
 
     async def main() -> None:
@@ -254,7 +248,7 @@ def test_status_watch_refreshes_and_exits_on_ctrl_c(
     tmp_path: Path, child_env: dict[str, str]
 ) -> None:
     cfg = write_config(tmp_path)
-    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
     out = tmp_path / "watch.txt"
     with open(out, "w") as fh:
         proc = subprocess.Popen(

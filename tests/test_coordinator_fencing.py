@@ -9,13 +9,15 @@ import sys
 from pathlib import Path
 
 import trio
-from coordinator_harness import REPO, Coordinator, audit, wait_for, write_config
+from coordinator_harness import write_config
 
 from coordinator.audit import replay
 from coordinator.store import read_audit, read_shard_sizes
 from node.coordinator_client import ClientConfig, CoordinatorClient
 from protocol import control as c
 from protocol.identity import NodeKey
+from swarmlab.coordinator import audit, start_coordinator
+from swarmlab.procs import REPO, wait_for
 
 FAST = ClientConfig(call_timeout_s=5.0, retry_deadline_s=20.0)
 
@@ -25,7 +27,7 @@ def test_sigstopped_holder_is_fenced_and_shard_finished_once(
 ) -> None:
     cfg = write_config(tmp_path, lease_ttl_s=2.0, heartbeat_interval_s=0.4)
     db = tmp_path / "c.sqlite"
-    coord = Coordinator(tmp_path, cfg, db, child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=db)
     holder = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "coordinator_holder.py"), str(coord.port)],
         cwd=REPO,
@@ -68,8 +70,8 @@ def test_sigstopped_holder_is_fenced_and_shard_finished_once(
     assert out.startswith("fenced:") and "fenced" in out, out
     assert holder.wait(timeout=30) == 0
     coord.stop()
-    res = audit(db, child_env)
-    assert res.returncode == 0, res.stdout
+    res = audit(db)
+    assert res.exit_code == 0, res.stdout
     events = read_audit(db)
     commits = [(e.start, e.end) for e in events if e.kind == "commit" and e.shard_id == shard_id]
     assert commits == [(0, 100), (100, read_shard_sizes(db)[shard_id])]

@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 import trio
-from coordinator_harness import REPO, Coordinator, audit, write_config
+from coordinator_harness import write_config
 
 from node.coordinator_client import ClientConfig, CoordinatorClient, lease_ref
 from protocol import control as c
 from protocol.identity import NodeKey
+from swarmlab.coordinator import audit, start_coordinator
+from swarmlab.procs import REPO
 
 FAST = ClientConfig(call_timeout_s=5.0, retry_deadline_s=20.0)
 
@@ -25,7 +27,7 @@ def test_sigkill_restart_keeps_state_and_audit_is_clean(
     cfg = write_config(tmp_path, lease_ttl_s=20.0, heartbeat_interval_s=1.0)
     db = tmp_path / "c.sqlite"
     key_a, key_b = NodeKey.generate(), NodeKey.generate()
-    coord = Coordinator(tmp_path, cfg, db, child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=db)
 
     async def phase1() -> tuple[c.LeaseInfo, int, c.StatusReply]:
         async with CoordinatorClient("127.0.0.1", coord.port, key_a, config=FAST) as a:
@@ -45,9 +47,9 @@ def test_sigkill_restart_keeps_state_and_audit_is_clean(
     lease, _, before = trio.run(phase1)
     assert before.committed_tokens == 300 and before.leases["active"] == 1
     assert coord.kill(signal.SIGKILL) == -signal.SIGKILL
-    assert audit(db, child_env).returncode == 0  # an in-progress epoch with no holes
+    assert audit(db).exit_code == 0  # an in-progress epoch with no holes
 
-    coord = Coordinator(tmp_path, cfg, db, child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=db)
 
     async def phase2() -> None:
         async with CoordinatorClient("127.0.0.1", coord.port, key_a, config=FAST) as a:
@@ -71,11 +73,11 @@ def test_sigkill_restart_keeps_state_and_audit_is_clean(
 
     trio.run(phase2)
     assert coord.kill(signal.SIGKILL) == -signal.SIGKILL
-    res = audit(db, child_env)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = audit(db)
+    assert res.exit_code == 0, res.stdout
     assert "data epoch 0 (complete)" in res.stdout and "lost 0 ranges; duplicated 0" in res.stdout
 
-    coord = Coordinator(tmp_path, cfg, db, child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=db)
 
     async def phase3() -> None:
         async with CoordinatorClient("127.0.0.1", coord.port, key_a, config=FAST) as a:

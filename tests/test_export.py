@@ -22,8 +22,9 @@ from node.export import main
 from node.export_assembly import ExportError, assemble_checkpoints, export_checkpoints
 from node.model import Stage, build_stage, load_export, preset
 from node.subspace import project_
-from node.swarm import LocalSwarm, child_env
 from protocol.control import RunInfo
+from swarmlab.procs import child_env
+from swarmlab.swarm import LocalSwarm
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = preset("tiny")
@@ -112,7 +113,7 @@ def test_baseline_eval_only_evaluates_the_export(tmp_path: Path) -> None:
         _write(tmp_path / "ck", st, s, 1, _run())
     assert main(["--checkpoints", str(tmp_path / "ck"), "--out", str(tmp_path / "m")]) == 0
     proc = subprocess.run(
-        [sys.executable, "-m", "node.cli", "baseline", "--init", str(tmp_path / "m"),
+        [sys.executable, "-m", "swarmlab.cli", "baseline", "--init", str(tmp_path / "m"),
          "--eval-only", "--batch-size", "4", "--seq-len", "64", "--threads", "1",
          "--json", str(tmp_path / "eval.json")],
         env=child_env(), capture_output=True, text=True, timeout=120, cwd=REPO,
@@ -128,7 +129,7 @@ def test_baseline_eval_only_evaluates_the_export(tmp_path: Path) -> None:
 
 def _poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
     """`LocalSwarm.wait_for`: poll until truthy; on timeout fail with the log tails."""
-    return swarm.wait_for(predicate, timeout_s, what)
+    return swarm.wait_for(predicate, what, timeout_s)
 
 
 @pytest.mark.timeout(900)  # five interpreters importing torch + hivemind on a loaded 2-core box
@@ -137,11 +138,11 @@ def test_swarm_sigkill_stage0_replica_then_audit_and_export(tmp_path: Path) -> N
     stage-0 replica is SIGKILLed after ranges were committed; training goes on, a clean
     stop leaves an audit with no lost and no duplicated range, and the checkpoints the
     nodes wrote export to a model that is better than the initial one."""
-    toml = tmp_path / "node.toml"
-    toml.write_text(
-        "[node]\nouter_every_steps = 3\ninner_batch_tokens = 2048\nouter_matchmaking_s = 3.0\n"
+    swarm = LocalSwarm(workdir=tmp_path / "run", preset="tiny")
+    toml = swarm.write_node_config(
+        outer_every_steps=3, inner_batch_tokens=2048, outer_matchmaking_s=3.0
     )
-    swarm = LocalSwarm(workdir=tmp_path / "run", preset="tiny", node_args=["--config", str(toml)])
+    swarm.node_args = ["--config", str(toml)]
     names = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}
     try:
         swarm.start_coordinator()
@@ -178,13 +179,9 @@ def test_swarm_sigkill_stage0_replica_then_audit_and_export(tmp_path: Path) -> N
         n: p.tail(30) for n, p in swarm.nodes.items()
     }
 
-    report = tmp_path / "audit.json"
-    audit = subprocess.run(
-        [sys.executable, "-m", "coordinator.audit", "--db", str(swarm.db), "--json", str(report)],
-        env=child_env(), capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    epochs = json.loads(report.read_text())
+    audit = swarm.audit()
+    assert audit.exit_code == 0, audit.stdout
+    epochs = audit.epochs
     assert epochs and all(e["lost"] == [] and e["duplicated"] == [] for e in epochs), epochs
     assert sum(e["committed_tokens"] for e in epochs) > at_kill + 8 * 1024
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import subprocess
 import sys
 import urllib.request
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import trio
-from coordinator_harness import Coordinator, wait_for, write_config
+from coordinator_harness import write_config
 
 from coordinator.journal import Journal
 from coordinator.membership import LEFT, Membership, Peer
@@ -31,11 +30,13 @@ from node.model import build_stage, load_export
 from node.p2p.host import Libp2pTransport
 from node.p2p.transport import P2PConfig
 from node.state_server import StateServer
-from node.swarm import LocalSwarm, child_env
 from node.worker import TorchWorker
 from protocol import control as c
 from protocol.identity import NodeKey
 from protocol.state import STATE_PROTOCOL
+from swarmlab.coordinator import start_coordinator
+from swarmlab.procs import child_env, wait_for
+from swarmlab.swarm import LocalSwarm
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = ClientConfig(call_timeout_s=5.0, retry_deadline_s=20.0)
@@ -56,20 +57,17 @@ def _sd_targets(path: Path) -> set[str]:
     return {t for group in json.loads(path.read_text()) for t in group["targets"]}
 
 
-def test_observer_membership(
-    tmp_path: Path, child_env: dict[str, str], capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_observer_membership(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Token auth applies to observers; an observer is listed (flagged, on no stage) but
     gets no lease, is in no stage's count, metrics or file-SD; `agora export` names what
     is missing and leaves the run when it fails."""
     sd = tmp_path / "sd.json"
     cfg = write_config(
-        tmp_path, auth="token", join_token=TOKEN, prometheus_sd=str(sd), metrics_port=0,
+        tmp_path, auth="token", join_token=TOKEN, prometheus_sd=str(sd),
         lease_ttl_s=20.0, heartbeat_interval_s=1.0,
     )  # fmt: skip
-    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
-    m = wait_for(lambda: re.search(r"metrics on ([\d.]+):(\d+)", coord.output()), "metrics line")
-    metrics_url = f"http://{m.group(1)}:{m.group(2)}/metrics"
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite", metrics=True)
+    metrics_url = f"http://127.0.0.1:{coord.metrics_port}/metrics"
     kobs, knode = NodeKey.generate(), NodeKey.generate()
     address = f"127.0.0.1:{coord.port}"
 
@@ -124,10 +122,10 @@ def test_observer_membership(
     assert coord.stop() == 0
 
 
-def test_observer_on_an_allowlist(tmp_path: Path, child_env: dict[str, str]) -> None:
+def test_observer_on_an_allowlist(tmp_path: Path) -> None:
     allowed, other = NodeKey.generate(), NodeKey.generate()
     cfg = write_config(tmp_path, auth="allowlist", allowlist=[allowed.peer_id])
-    coord = Coordinator(tmp_path, cfg, tmp_path / "c.sqlite", child_env)
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
 
     async def main() -> None:
         async with (
@@ -148,7 +146,7 @@ def test_observer_on_an_allowlist(tmp_path: Path, child_env: dict[str, str]) -> 
 
 def _poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
     """`LocalSwarm.wait_for`: poll until truthy; on timeout fail with the log tails."""
-    return swarm.wait_for(predicate, timeout_s, what)
+    return swarm.wait_for(predicate, what, timeout_s)
 
 
 def _outer_steps(swarm: LocalSwarm, name: str) -> float:
@@ -161,12 +159,11 @@ def test_live_export_from_a_swarm(tmp_path: Path) -> None:
     stage applied rounds, `agora export --coordinator` (a subprocess, joining as an
     observer over py-libp2p) writes a model that beats the untrained one; the swarm
     trains on and drains cleanly afterwards."""
-    toml = tmp_path / "node.toml"
-    toml.write_text(
-        "[node]\nouter_every_steps = 3\ninner_batch_tokens = 1024\nouter_matchmaking_s = 1.0\n"
-        "warmup_steps = 1\n"
+    swarm = LocalSwarm(workdir=tmp_path / "run", preset="tiny")
+    toml = swarm.write_node_config(
+        outer_every_steps=3, inner_batch_tokens=1024, outer_matchmaking_s=1.0, warmup_steps=1
     )
-    swarm = LocalSwarm(workdir=tmp_path / "run", preset="tiny", node_args=["--config", str(toml)])
+    swarm.node_args = ["--config", str(toml)]
     names = {"s0": 0, "s1": 1}
     try:
         swarm.start_coordinator()
@@ -180,7 +177,7 @@ def test_live_export_from_a_swarm(tmp_path: Path) -> None:
         )
         out, summary = tmp_path / "model", tmp_path / "export.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "node.cli", "export", "--coordinator", swarm.address,
+            [sys.executable, "-m", "swarmlab.cli", "export", "--coordinator", swarm.address,
              "--out", str(out), "--json", str(summary), "--timeout", "180",
              "--member-wait", "60", "--chunk-elements", "100000"],
             env=child_env(), capture_output=True, text=True, timeout=240, cwd=REPO,

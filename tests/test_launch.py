@@ -141,9 +141,9 @@ def test_launch_config_validates_and_finds_the_scripts(tmp_path: Path) -> None:
 def test_launcher_is_torch_free_and_helps() -> None:
     code = "import sys, node.launch.cli, node.launch.loop; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
-    out = subprocess.run([sys.executable, "-m", "node.cli", "launch", "--help"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "swarmlab.cli", "launch", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0 and "--max-jobs" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "node.cli", "launch", "slurm", "--coordinator", "x"],
+    bad = subprocess.run([sys.executable, "-m", "swarmlab.cli", "launch", "slurm", "--coordinator", "x"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "missing settings" in bad.stderr

@@ -1,4 +1,4 @@
-"""Monitoring with a real Prometheus: the shipped config, rules and dashboard (issue 8).
+"""Monitoring with a real Prometheus: the shipped config, rules and dashboard.
 
 - `promtool check config` / `check rules` / `test rules` on the files in deploy/prometheus.
 - Every PromQL expression in the Grafana dashboard parses (promtool), and every `agora_*`
@@ -16,17 +16,17 @@ skips the Prometheus tests.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,9 @@ from protocol.framing import FrameDecoder, frame_message
 from protocol.identity import NodeKey
 from protocol.message import Message
 from protocol.signing import sign_request
+from swarmlab.coordinator import start_coordinator
+from swarmlab.procs import free_port
+from swarmlab.procs import wait_for as _wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -51,24 +54,8 @@ needs_prometheus = pytest.mark.skipif(
     "(Debian: apt-get install -y prometheus; see deploy/ci-prometheus.sh)",
 )
 WAIT_S = 40.0  # seconds any single wait in this file may take
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-    """Poll `check` until it returns a truthy value; fail naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# every wait of this file: up to WAIT_S unless given, polling five times a second
+wait_for = functools.partial(_wait_for, timeout_s=WAIT_S, poll_s=0.2)
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:
@@ -87,42 +74,22 @@ def try_get(url: str) -> bytes | None:
 
 
 class Coordinator:
-    def __init__(self, tmp: Path, env: dict[str, str], extra: list[str]) -> None:
-        self.sd_file = tmp / "nodes.json"
-        self.out = tmp / "coordinator.out"
-        self.err = tmp / "coordinator.err"
-        argv = [
-            sys.executable, "-m", "coordinator.main",
-            "--port", "0", "--metrics-port", "0",
-            "--prometheus-sd", str(self.sd_file),
-            "--db", str(tmp / "coordinator.sqlite"), "--sync", "normal",
-            *extra,
-        ]  # fmt: skip
-        with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=tmp)
-        text = wait_for("agora-coordinator to print its ports", self._ports)
-        self.metrics_port = int(re.search(r"metrics on \S+:(\d+)", text).group(1))  # type: ignore[union-attr]
-        self.port = int(re.search(r"listening on \S+:(\d+)", text).group(1))  # type: ignore[union-attr]
+    """The coordinator under test (swarmlab's launcher) with metrics and a file-SD JSON."""
 
-    def _ports(self) -> str | None:
-        if self.proc.poll() is not None:
-            raise AssertionError(
-                f"agora-coordinator exited {self.proc.returncode}: {self.err.read_text()[-2000:]}"
-            )
-        text = self.out.read_text()
-        return text if "metrics on" in text and "listening on" in text else None
+    def __init__(self, tmp: Path, extra: list[str]) -> None:
+        self.sd_file = tmp / "nodes.json"
+        self.proc = start_coordinator(
+            tmp, config=None, db=tmp / "coordinator.sqlite", metrics=True,
+            args=["--prometheus-sd", str(self.sd_file), "--sync", "normal", *extra],
+        )  # fmt: skip
+        self.port = self.proc.port
+        self.metrics_port = self.proc.metrics_port
 
     def metrics_text(self) -> str:
         return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics").decode()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        self.proc.stop(timeout_s=15)
 
 
 def prometheus_config(tmp: Path, coordinator_target: str, sd_file: Path) -> Path:
@@ -154,7 +121,7 @@ class Prometheus:
         ]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        wait_for("prometheus to become ready", self._ready)
+        wait_for(self._ready, "prometheus to become ready")
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
@@ -207,10 +174,9 @@ class RawPeer:
 
 
 @pytest.fixture
-def coordinator(tmp_path: Path, child_env: dict[str, str]) -> Iterator[Coordinator]:
+def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
     c = Coordinator(
         tmp_path,
-        child_env,
         ["--shard-tokens", "4096", "--lease-ttl", "2", "--heartbeat-interval", "0.5"],
     )
     try:
@@ -337,23 +303,23 @@ def test_prometheus_scrapes_coordinator_and_discovers_peers(
         )
         try:
             wait_for(
-                "up{job=agora-coordinator} == 1",
                 lambda: prom.series('up{job="agora-coordinator"} == 1'),
+                "up{job=agora-coordinator} == 1",
             )
             peers = wait_for(
-                "agora_coordinator_peers series", lambda: prom.series("agora_coordinator_peers")
+                lambda: prom.series("agora_coordinator_peers"), "agora_coordinator_peers series"
             )
             assert {s["metric"]["stage"] for s in peers} == {"0", "1"}
             wait_for(
-                "both peers counted per stage",
                 lambda: prom.series("sum(agora_coordinator_peers) == 2"),
+                "both peers counted per stage",
             )
             wait_for(
-                "lease series",
                 lambda: (
                     prom.series("agora_coordinator_active_leases")
                     and prom.series('agora_coordinator_shards{state="pending"} > 0')
                 ),
+                "lease series",
             )
             want = {f"127.0.0.1:{p}" for p in ports}
 
@@ -361,16 +327,16 @@ def test_prometheus_scrapes_coordinator_and_discovers_peers(
                 got = {t["labels"]["instance"]: t["labels"] for t in prom.targets("agora-node")}
                 return set(got) == want and {v["stage"] for v in got.values()} == {"0", "1"}
 
-            wait_for(f"targets {sorted(want)} discovered from the coordinator's file", discovered)
+            wait_for(discovered, f"targets {sorted(want)} discovered from the coordinator's file")
             stop.set()
             beating.join(timeout=10)
             for key in keys:
                 reply = raw.call(key, LeaveRequest())
                 assert reply.TYPE == "ok", reply
             wait_for(
-                "departed peers removed from the targets", lambda: not prom.targets("agora-node")
+                lambda: not prom.targets("agora-node"), "departed peers removed from the targets"
             )
-            rules = wait_for("alert rules evaluated", lambda: _evaluated_rules(prom))
+            rules = wait_for(lambda: _evaluated_rules(prom), "alert rules evaluated")
             bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
             assert not bad, f"alert rules failing to evaluate: {bad}"
         finally:
@@ -441,16 +407,16 @@ def test_series_stay_bounded_as_1000_peers_come_and_go(coordinator: Coordinator)
                     == 100
                 )
 
-            wait_for("100 peers in the file SD", listed)
+            wait_for(listed, "100 peers in the file SD")
             for i, key in enumerate(keys):
                 if batch % 2 == 0 or i % 2 == 0:  # the rest lapse past the 2 s TTL
                     heartbeat_and_leave(raw, key)
             wait_for(
-                "every peer of the batch gone",
                 lambda: (
                     'agora_coordinator_peers{stage="0"} 0.0' in coordinator.metrics_text()
                     and 'agora_coordinator_peers{stage="1"} 0.0' in coordinator.metrics_text()
                 ),
+                "every peer of the batch gone",
             )
             counts.append(len(series_of(coordinator.metrics_text())))
     finally:
@@ -474,18 +440,20 @@ def test_series_stay_bounded_as_1000_peers_come_and_go(coordinator: Coordinator)
 def test_prometheus_scrapes_training_nodes(tmp_path: Path) -> None:
     """Two real agora-node processes (stage 0 and 1) are discovered through the
     coordinator's file SD, and their tokens and loss series reach Prometheus."""
-    from node.swarm import LocalSwarm
+    from swarmlab.swarm import LocalSwarm
 
     sd_file = tmp_path / "nodes.json"
-    metrics_port = free_port()
     swarm = LocalSwarm(
         workdir=tmp_path / "swarm",
         preset="tiny",
-        coordinator_args=["--metrics-port", str(metrics_port), "--prometheus-sd", str(sd_file)],
+        metrics=True,
+        coordinator_args=["--prometheus-sd", str(sd_file)],
         node_args=["--outer-every-steps", "0"],
     )
     try:
         swarm.start_coordinator()
+        assert swarm.coordinator is not None
+        metrics_port = swarm.coordinator.metrics_port
         nodes = [swarm.add_node("s0", 0), swarm.add_node("s1", 1)]
         prom = Prometheus(
             tmp_path, prometheus_config(tmp_path, f"127.0.0.1:{metrics_port}", sd_file)
@@ -501,19 +469,19 @@ def test_prometheus_scrapes_training_nodes(tmp_path: Path) -> None:
                 }
                 return up == want
 
-            wait_for(f"both nodes {sorted(want)} up as targets", healthy, timeout=120)
+            wait_for(healthy, f"both nodes {sorted(want)} up as targets", timeout_s=120)
             wait_for(
-                "tokens series from both nodes",
                 lambda: len(prom.series("agora_node_tokens_total > 0")) == 2,
-                timeout=120,
+                "tokens series from both nodes",
+                timeout_s=120,
             )
-            wait_for("a loss series", lambda: prom.series("agora_node_loss > 0"), timeout=60)
+            wait_for(lambda: prom.series("agora_node_loss > 0"), "a loss series", timeout_s=60)
 
             def stages() -> bool:
                 peers = prom.series("agora_coordinator_peers > 0")
                 return {s["metric"]["stage"] for s in peers} == {"0", "1"}
 
-            wait_for("the coordinator's peers on stages 0 and 1", stages)
+            wait_for(stages, "the coordinator's peers on stages 0 and 1")
         finally:
             prom.stop()
         codes = swarm.stop()

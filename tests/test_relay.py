@@ -1,4 +1,4 @@
-"""Outbound-only peers reached through a circuit-relay v2 hop (issue 7, item 5).
+"""Outbound-only peers reached through a circuit-relay v2 hop.
 
 - In process: a hop relay, an outbound-only destination (`listen=[]`) that reserves a
   slot on it and announces only its circuit address, and a source that reaches it by
@@ -12,9 +12,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -28,11 +25,10 @@ from node.p2p.host import Libp2pTransport
 from node.p2p.relay import RelayAddressError, parse_relay_addr
 from node.p2p.relay_main import announced_addrs
 from node.p2p.transport import P2PConfig
-from node.swarm import LocalSwarm, child_env
 from protocol.dataplane import Echo
 from protocol.identity import NodeKey
+from swarmlab.swarm import LocalSwarm
 
-REPO = Path(__file__).resolve().parent.parent
 START_S = 150.0  # seconds for the processes to import torch, reserve and join (loaded box)
 TRAIN_S = 120.0  # seconds for tokens to rise through the relay
 ECHO = "/agora-test/echo/1"
@@ -118,7 +114,7 @@ def test_request_reaches_an_outbound_only_peer_through_the_relay() -> None:
 
 def poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
     """`LocalSwarm.wait_for`: poll until truthy; on timeout fail with the log tails."""
-    return swarm.wait_for(predicate, timeout_s, what)
+    return swarm.wait_for(predicate, what, timeout_s)
 
 
 @pytest.fixture
@@ -187,13 +183,9 @@ def test_no_listen_nodes_train_through_the_coordinators_relay(swarm: LocalSwarm)
     text = coordinator_log.read_text(errors="replace")
     assert "relay: stopped (exit 0)" in text, text[-2000:]
 
-    report = swarm.workdir / "audit.json"
-    audit = subprocess.run(
-        [sys.executable, "-m", "coordinator.audit", "--db", str(swarm.db), "--json", str(report)],
-        env=child_env(), capture_output=True, text=True, timeout=60, cwd=REPO,
-    )  # fmt: skip
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    epochs = json.loads(report.read_text())
+    audit = swarm.audit()
+    assert audit.exit_code == 0, audit.stdout
+    epochs = audit.epochs
     assert epochs
     for epoch in epochs:
         assert epoch["lost"] == [] and epoch["duplicated"] == [], epoch

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 import trio
-from slurm_harness import job_states, slurm, wait_until
+from slurm_harness import job_states, slurm
 
-from node.swarm import LocalSwarm, child_env
 from protocol.control import StatusReply
+from swarmlab.procs import child_env, wait_for
+from swarmlab.swarm import LocalSwarm
 
 __all__ = ["slurm"]
 
@@ -34,26 +35,23 @@ def status(swarm: LocalSwarm) -> StatusReply | None:
         return None
 
 
-class Swarm(LocalSwarm):
-    def _run_toml(self) -> Path:
-        path = super()._run_toml()
-        # short jobs: keep less time free before a deadline than the 60 s default
-        path.write_text(path.read_text() + "deadline_margin_s = 20.0\nmin_grant_tokens = 256\n")
-        return path
-
-
 def test_launcher_places_jobs_that_train_drain_and_get_replaced(
     slurm: None, tmp_path: Path
 ) -> None:
-    swarm = Swarm(tmp_path / "swarm", preset="tiny", stages=2)
+    swarm = LocalSwarm(
+        tmp_path / "swarm",
+        preset="tiny",
+        stages=2,
+        # short jobs: keep less time free before a deadline than the 60 s default
+        run_config={"deadline_margin_s": 20.0, "min_grant_tokens": 256},
+    )
     swarm.start_coordinator()
     facility = f"ci{int(time.time()) % 100000}"
     name = f"agora-{facility}"
-    node_toml = tmp_path / "node.toml"
     # drain margin = drain_timeout_s + 2 * request_timeout_s = 30 s before the deadline
     # no DiLoCo outer rounds: a 2-minute job tests placement and draining, not DiLoCo
-    node_toml.write_text(
-        "[node]\ndrain_timeout_s = 10.0\nrequest_timeout_s = 10.0\nouter_every_steps = 0\n"
+    node_toml = swarm.write_node_config(
+        drain_timeout_s=10.0, request_timeout_s=10.0, outer_every_steps=0
     )
     env = child_env()
     env["AGORA_JOIN_TOKEN"] = ""
@@ -61,7 +59,7 @@ def test_launcher_places_jobs_that_train_drain_and_get_replaced(
     with launcher_log.open("wb") as fh:
         launcher = subprocess.Popen(
             [
-                sys.executable, "-m", "node.cli", "launch", "slurm",
+                sys.executable, "-m", "swarmlab.cli", "launch", "slurm",
                 "--coordinator", swarm.address, "--facility", facility,
                 "--partition", "debug", "--max-jobs", "2", "--time", "00:02:00",
                 "--interval", "2", "--startup", "10",
@@ -73,42 +71,51 @@ def test_launcher_places_jobs_that_train_drain_and_get_replaced(
         )  # fmt: skip
     first: set[str] = set()
     try:
-        wait_until(
+        wait_for(
             lambda: sum(s == "RUNNING" for s in job_states(name).values()) == 2,
-            60, "two launched jobs to run",
-        )  # fmt: skip
-        first = set(job_states(name))
-        wait_until(
-            lambda: (st := status(swarm)) is not None and st.peers == 2,
-            90,
-            "both job nodes to join",
+            "two launched jobs to run",
+            60,
+            poll_s=1.0,
         )
-        wait_until(
+        first = set(job_states(name))
+        wait_for(
+            lambda: (st := status(swarm)) is not None and st.peers == 2,
+            "both job nodes to join",
+            90,
+            poll_s=1.0,
+        )
+        wait_for(
             lambda: (st := status(swarm)) is not None and st.committed_tokens > 0,
-            120,
             "the job nodes to commit tokens",
+            120,
+            poll_s=1.0,
         )
         # the walltime ends: the nodes drain before it, Slurm records a clean completion
-        wait_until(
+        wait_for(
             lambda: all(job_states(name).get(j) == "COMPLETED" for j in first),
-            150, f"jobs {sorted(first)} to complete before their walltime",
-        )  # fmt: skip
+            f"jobs {sorted(first)} to complete before their walltime",
+            150,
+            poll_s=1.0,
+        )
         states = job_states(name)
         assert all(states[j] == "COMPLETED" for j in first), states
         for j in first:
             log = (tmp_path / "jobs" / f"{name}-{j}.log").read_text()
             assert re.search(r"deadline in \d+ s: draining", log), log[-2000:]
         # the launcher replaces them
-        wait_until(
+        wait_for(
             lambda: any(
                 s in ("PENDING", "RUNNING") for j, s in job_states(name).items() if j not in first
             ),
-            30, "the launcher to submit replacement jobs",
-        )  # fmt: skip
-        wait_until(
+            "the launcher to submit replacement jobs",
+            30,
+            poll_s=1.0,
+        )
+        wait_for(
             lambda: (st := status(swarm)) is not None and st.peers >= 1,
-            90,
             "a replacement node to join",
+            90,
+            poll_s=1.0,
         )
     finally:
         launcher.send_signal(signal.SIGINT)
@@ -119,16 +126,18 @@ def test_launcher_places_jobs_that_train_drain_and_get_replaced(
         for j, s in job_states(name).items():
             if s in ("PENDING", "RUNNING"):
                 subprocess.run(["scancel", j], timeout=30, check=False)  # SIGTERM: nodes drain
-        wait_until(
-            lambda: not any(s in ("PENDING", "RUNNING", "COMPLETING")
-                            for s in job_states(name).values()),
-            60, "the replacement jobs to end",
-        )  # fmt: skip
+        wait_for(
+            lambda: (
+                not any(
+                    s in ("PENDING", "RUNNING", "COMPLETING") for s in job_states(name).values()
+                )
+            ),
+            "the replacement jobs to end",
+            60,
+            poll_s=1.0,
+        )
         swarm.stop()
     log_text = launcher_log.read_text()
     assert "submitted job" in log_text and "plan: 2 jobs" in log_text, log_text[-3000:]
-    audit = subprocess.run(
-        [sys.executable, "-m", "node.cli", "audit", "--db", str(swarm.db)],
-        capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60,
-    )  # fmt: skip
-    assert audit.returncode == 0, audit.stdout + audit.stderr
+    audit = swarm.audit()
+    assert audit.exit_code == 0, audit.stdout

@@ -31,8 +31,9 @@ from typing import Any
 import pytest
 
 from node.config import NodeConfig
-from node.swarm import LocalSwarm, child_env, workdir_path
 from protocol.identity import NodeKey
+from swarmlab.procs import child_env, workdir_path
+from swarmlab.swarm import LocalSwarm
 
 REPO = Path(__file__).resolve().parent.parent
 NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
@@ -49,7 +50,7 @@ def test_workdir_path_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def poll(predicate: Callable[[], Any], timeout_s: float, what: str, swarm: LocalSwarm) -> Any:
     """`LocalSwarm.wait_for`: poll until truthy; on timeout fail with the log tails."""
-    return swarm.wait_for(predicate, timeout_s, what)
+    return swarm.wait_for(predicate, what, timeout_s)
 
 
 def committed(swarm: LocalSwarm) -> int:
@@ -74,12 +75,10 @@ def assert_alive(swarm: LocalSwarm, names: list[str]) -> None:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     workdir = tmp_path_factory.mktemp("swarm")
-    node_toml = workdir / "node.toml"
+    sw = LocalSwarm(workdir=workdir, preset="tiny", stages=2)
     pipeline_only = "outer_every_steps" in NodeConfig.__dataclass_fields__
-    node_toml.write_text("[node]\n" + ("outer_every_steps = 0\n" if pipeline_only else ""))
-    sw = LocalSwarm(
-        workdir=workdir, preset="tiny", stages=2, node_args=["--config", str(node_toml)]
-    )
+    node_toml = sw.write_node_config(**({"outer_every_steps": 0} if pipeline_only else {}))
+    sw.node_args = ["--config", str(node_toml)]
     try:
         sw.start_coordinator()
         for name, stage in NODES:
@@ -128,7 +127,7 @@ def test_rogue_peer_is_refused_and_banned(swarm: LocalSwarm, tmp_path: Path) -> 
     tokens_before = committed(swarm)
     out = tmp_path / "rogue.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "node.chaos_rogue",
+        [sys.executable, "-m", "swarmlab.chaos.rogue",
          "--attacks", "not_member,garbage,nan,shape,huge,control",
          "--coordinator", swarm.address, "--victim", victim, "--json", str(out)],
         env=child_env(), capture_output=True, text=True, timeout=150,
@@ -189,13 +188,9 @@ def test_sigkill_stage1_replica_then_clean_stop_and_audit(
         n: p.tail(30) for n, p in swarm.nodes.items()
     }
 
-    report = tmp_path / "audit.json"
-    audit = subprocess.run(
-        [sys.executable, "-m", "coordinator.audit", "--db", str(swarm.db), "--json", str(report)],
-        env=child_env(), capture_output=True, text=True, timeout=60, cwd=REPO,
-    )  # fmt: skip
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    data = json.loads(report.read_text())
+    audit = swarm.audit()
+    assert audit.exit_code == 0, audit.stdout
+    data = audit.epochs
     epochs = data  # one report per data epoch
     assert epochs, data
     for epoch in epochs:

@@ -8,7 +8,6 @@ streams. Every wait has a deadline.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from node.p2p.transport import P2PConfig, RequestRefused, RequestTimeout, Transp
 from protocol.dataplane import Echo
 from protocol.framing import HEADER
 from protocol.identity import NodeKey
+from swarmlab.procs import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_STREAMS = 16  # the server's per-peer stream cap in these tests
@@ -93,7 +93,7 @@ def keys() -> dict[str, NodeKey]:
 
 @pytest.fixture(scope="module")
 def server(keys: dict[str, NodeKey], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = child_env()
     members = [k for n, k in keys.items() if n not in ("outsider", "server")]
     args = ["--seed-hex", keys["server"].seed.hex(), "--poison"]
     args += ["--max-streams", str(MAX_STREAMS), "--read-timeout", "5"]
@@ -328,7 +328,7 @@ def test_stream_cut_mid_message_does_not_hurt_the_server(
 def test_request_to_a_frozen_or_dead_peer_fails_within_its_deadline(
     keys: dict[str, NodeKey], tmp_path: Path
 ) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = child_env()
     frozen = start_probe([], tmp_path / "frozen.log", env)
     try:
         frozen.proc.send_signal(signal.SIGSTOP)

@@ -1,5 +1,6 @@
-"""`agora`: the umbrella command. Each subcommand lives in its own module and is imported
-only when run, so `agora audit` and `agora status` work on a torch-free coordinator install.
+"""`agora`: the umbrella command. It owns only the table of subcommands; each lives in its
+own module and is imported only when run, so `agora audit` and `agora status` work on a
+torch-free coordinator install.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ import sys
 
 # name -> (module:function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("node.demo:main", "run a local swarm (2 stages x 2 replicas) on the embedded corpus"),
+    "demo": (
+        "swarmlab.demo:main",
+        "run a local swarm (2 stages x 2 replicas) on the embedded corpus",
+    ),
     "baseline": ("node.baseline:main", "train the centralised baseline every swarm is compared to"),
     "node": ("node.main:main", "run a training peer (same as agora-node)"),
     "coordinator": ("coordinator.main:main", "run the coordinator (same as agora-coordinator)"),
@@ -21,7 +25,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("node.export:main", "assemble the trained model from live stage replicas"),
     "bench": ("bench.cli:main", "run a benchmark: agora bench NAME [--json FILE]"),
     "launch": ("node.launch.cli:main", "keep agora-node jobs queued on a Slurm/PBS cluster"),
-    "chaos": ("node.chaos:main", "inject a seeded fault schedule into a local swarm; audit"),
+    "chaos": (
+        "swarmlab.chaos.main:main",
+        "inject a seeded fault schedule into a local swarm; audit",
+    ),
 }
 
 USAGE = "usage: agora [-h] COMMAND [ARGS...]\n"

@@ -1,7 +1,7 @@
 """The rogue peer of `agora chaos`: a process that attacks one honest stage peer and the
 coordinator, and reports what each attack got back.
 
-Run as `python -m node.chaos_rogue --coordinator HOST:PORT --victim PEER_ID --json OUT
+Run as `python -m swarmlab.chaos.rogue --coordinator HOST:PORT --victim PEER_ID --json OUT
 [--attacks a,b,...]`. It uses the real `Libp2pTransport`. Attacks:
 
 - `not_member`: a well-formed Forward from a key that never joined the run;
@@ -356,7 +356,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m node.chaos_rogue",
+        prog="python -m swarmlab.chaos.rogue",
         description="Attack one honest stage peer and the coordinator (for agora chaos).",
     )
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT")

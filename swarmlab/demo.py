@@ -11,14 +11,13 @@ import argparse
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from node.plotting import Series, plot_series, write_csv
-from node.swarm import LocalSwarm, child_env
+from swarmlab.swarm import LocalSwarm
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -104,10 +103,7 @@ def main(argv: list[str]) -> int:
         codes.update(swarm.stop_coordinator())
     finally:
         swarm.kill_all()
-    audit = subprocess.run(
-        [sys.executable, "-m", "coordinator.audit", "--db", str(swarm.db)],
-        capture_output=True, text=True, env=child_env(), timeout=120,
-    )  # fmt: skip
+    audit = swarm.audit()
     print(audit.stdout.strip())
     losses = [r for r in rows if r["loss"] is not None]
     bytes_total = final["bytes"]
@@ -130,8 +126,8 @@ def main(argv: list[str]) -> int:
         "exit_codes": codes,
         "events": events,
         "audit": {
-            "clean": audit.returncode == 0,
-            "exit_code": audit.returncode,
+            "clean": audit.clean,
+            "exit_code": audit.exit_code,
             "report": audit.stdout,
         },
     }
@@ -147,10 +143,10 @@ def main(argv: list[str]) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
         f"loss {summary['initial_loss']} -> {summary['final_loss']} over {summary['tokens']:,} tokens;"
-        f" {kills} kill, {joins} join; audit {'clean' if audit.returncode == 0 else 'NOT CLEAN'}"
+        f" {kills} kill, {joins} join; audit {'clean' if audit.clean else 'NOT CLEAN'}"
     )
     print(f"wrote {out / 'loss.png'}, {out / 'loss.csv'} and {out / 'summary.json'}")
-    return 0 if audit.returncode == 0 else 1
+    return 0 if audit.clean else 1
 
 
 def _sample(

@@ -1,0 +1,348 @@
+"""One swarm of `agora chaos` under one schedule: `Run` starts the swarm, samples loss,
+peak RSS and liveness while the faults are injected, then drains, audits and reports.
+`joins_during_rounds` reads the nodes' event files to tell whether each join landed
+inside an outer round."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from node.events import read_events
+from swarmlab.chaos.faults import children, inject, signal_quietly
+from swarmlab.chaos.schedule import KINDS, LEASE_TTL_S, ChaosConfig, Fault
+from swarmlab.procs import Proc
+from swarmlab.swarm import EVENTS_SUFFIX, LocalSwarm
+
+log = logging.getLogger("agora.chaos")
+
+SAMPLE_S = 3.0  # seconds between loss / RSS / liveness samples
+
+
+class Run:
+    """One swarm under one schedule (empty for the fault-free run)."""
+
+    def __init__(self, cfg: ChaosConfig, name: str, faults: list[Fault]) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.faults = faults
+        self.rng = random.Random(f"{cfg.seed}-{name}-victims")
+        self.workdir = cfg.workdir / name
+        self.swarm = LocalSwarm(
+            workdir=self.workdir,
+            preset=cfg.preset,
+            stages=2,
+            run_config={"lease_ttl_s": LEASE_TTL_S},  # zombies are held past it
+            node_args=["--outer-every-steps", str(cfg.outer_every_steps)],
+        )
+        self.lock = threading.RLock()
+        self.coordinator_busy = threading.Lock()  # held during a coordinator kill+restart
+        self.killed: set[str] = set()  # processes we SIGKILLed (not crashes)
+        self.stopped: set[str] = set()  # nodes currently SIGSTOPped
+        self.crashed: dict[str, str] = {}  # name -> why (exit code, log tail)
+        self.coordinator_generation = 0
+        self.counts: dict[str, int] = {k: 0 for k in KINDS}
+        self.skipped: dict[str, int] = {k: 0 for k in KINDS}
+        self.events: list[dict[str, Any]] = []
+        self.rogue_results: list[dict[str, Any]] = []
+        self.rogue_procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+        self.rss_peak: dict[str, float] = {}  # process label -> peak MB (VmHWM)
+        self.curve: list[dict[str, float]] = []  # t_s, loss, committed tokens
+        self.t0 = 0.0
+        self.serial = 0
+        self._stop_sampling = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def note(self, kind: str, **detail: Any) -> None:
+        with self.lock:
+            self.events.append({"t_s": round(self.now(), 1), "kind": kind, **detail})
+        log.info("[%s] %6.1fs %s %s", self.name, self.now(), kind, detail)
+
+    def new_node(self, stage: int, prefix: str) -> Proc:
+        with self.lock:
+            self.serial += 1
+            name = f"{prefix}{self.serial}s{stage}"
+            return self.swarm.add_node(name, stage)
+
+    def trained(self, name: str) -> bool:
+        scraped = self.swarm.scrape(name)
+        return (
+            scraped.get("agora_node_tokens_total", 0.0) > 0
+            or scraped.get("agora_p2p_served_total", 0.0) > 0
+        )
+
+    def healthy(self) -> dict[str, int]:
+        """Live, running (not stopped) nodes that have trained: name -> stage."""
+        with self.lock:
+            cands = [
+                (n, p)
+                for n, p in self.swarm.nodes.items()
+                if p.alive() and n not in self.stopped and n not in self.killed
+            ]
+        return {n: int(p.stage or 0) for n, p in cands if self.trained(n)}
+
+    def victim(self, pick: float) -> str | None:
+        healthy = self.healthy()
+        per_stage: dict[int, int] = {}
+        for s in healthy.values():
+            per_stage[s] = per_stage.get(s, 0) + 1
+        eligible = sorted(n for n, s in healthy.items() if per_stage[s] >= 2)
+        if not eligible:
+            return None
+        return eligible[int(pick * len(eligible))]
+
+    # --- sampling -----------------------------------------------------------------------
+
+    def _sample_rss(self) -> None:
+        with self.lock:
+            procs = list(self.swarm.nodes.items())
+            if self.swarm.coordinator is not None:
+                procs.append((f"coordinator#{self.coordinator_generation}", self.swarm.coordinator))
+        for name, proc in procs:
+            if not proc.alive():
+                continue
+            try:
+                root = psutil.Process(proc.popen.pid)
+                family = [(name, root)] + [
+                    (f"{name}/{pname(ch)}:{ch.pid}", ch) for ch in root.children(recursive=True)
+                ]
+            except psutil.Error:
+                continue
+            for label, p in family:
+                mb = peak_rss_mb(p)
+                if mb is not None and mb > self.rss_peak.get(label, 0.0):
+                    self.rss_peak[label] = mb
+
+    def _check_liveness(self) -> None:
+        with self.lock:
+            procs = list(self.swarm.nodes.items())
+            coord = self.swarm.coordinator
+        for name, proc in procs:
+            if not proc.alive() and name not in self.killed and name not in self.crashed:
+                code = proc.popen.returncode
+                if code == 0:
+                    self.note("left", node=name)  # a clean leave (e.g. re-placed) is no crash
+                    self.killed.add(name)
+                    continue
+                self.crashed[name] = f"exit {code}: {proc.tail(15)}"
+                self.note("crash", node=name, code=code)
+        if coord is not None and not coord.alive() and "coordinator" not in self.killed:
+            self.crashed.setdefault(
+                f"coordinator#{self.coordinator_generation}",
+                f"exit {coord.popen.returncode}: {coord.tail(15)}",
+            )
+
+    def _sample_loss(self) -> None:
+        with self.lock:
+            stage0 = [n for n, p in self.swarm.nodes.items() if p.stage == 0 and p.alive()]
+        losses = [
+            v
+            for n in stage0
+            if n not in self.stopped and 0 < (v := self.swarm.scrape(n).get("agora_node_loss", 0))
+        ]
+        committed = -1.0
+        try:
+            committed = float(self.swarm.status(timeout_s=3).committed_tokens)
+        except Exception:  # the coordinator may be down: a gap in the curve
+            pass
+        if losses:
+            self.curve.append(
+                {
+                    "t_s": round(self.now(), 1),
+                    "loss": round(statistics.fmean(losses), 4),
+                    "committed_tokens": committed,
+                }
+            )
+
+    def _sampler(self) -> None:
+        while not self._stop_sampling.wait(SAMPLE_S):
+            try:
+                self._sample_rss()
+                self._check_liveness()
+                if self.t0 and self.now() >= 0:
+                    self._sample_loss()
+            except Exception:  # a sampling hiccup must not end the run
+                log.exception("[%s] sampling failed", self.name)
+
+    # --- the run ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        sw = self.swarm
+        sw.start_coordinator()
+        for name, stage in (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1)):
+            sw.add_node(name, stage)
+        sampler = threading.Thread(target=self._sampler, name=f"{self.name}-sampler", daemon=True)
+        sampler.start()
+        self._threads.append(sampler)
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while not all(self.trained(n) for n in ("a0", "b0", "a1", "b1")):
+            if self.crashed:
+                raise RuntimeError(f"[{self.name}] a node died while starting: {self.crashed}")
+            if time.monotonic() > deadline:
+                tails = {n: p.tail(8) for n, p in sw.nodes.items()}
+                raise TimeoutError(
+                    f"[{self.name}] nodes did not all train within start_timeout_s="
+                    f"{self.cfg.start_timeout_s}: {tails}"
+                )
+            time.sleep(1.0)
+        self.t0 = time.monotonic()
+        log.info("[%s] all four nodes train; fault window of %.1f min starts", self.name,
+                 self.cfg.minutes)  # fmt: skip
+
+    def run(self) -> dict[str, Any]:
+        window = self.cfg.minutes * 60
+        try:
+            self.start()
+            for f in self.faults:
+                while self.now() < f.at_s:
+                    time.sleep(min(0.5, f.at_s - self.now()))
+                t = threading.Thread(target=inject, args=(self, f), daemon=True)
+                t.start()
+                self._threads.append(t)
+            while self.now() < window:
+                time.sleep(min(1.0, window - self.now()))
+            for t in self._threads[1:]:
+                t.join(timeout=120)
+            return self.finish()
+        finally:
+            self._stop_sampling.set()
+            for pid in self._all_pids():
+                signal_quietly(pid, signal.SIGCONT)
+            for _, popen, _ in self.rogue_procs:
+                if popen.poll() is None:
+                    popen.kill()
+            self.swarm.kill_all()
+
+    def _all_pids(self) -> list[int]:
+        pids = [p.popen.pid for p in self.swarm.nodes.values() if p.alive()]
+        return pids + [c for p in list(pids) for c in children(p)]
+
+    def finish(self) -> dict[str, Any]:
+        # Let the rogue processes end (they are bounded by their own deadlines).
+        for kind, popen, out in self.rogue_procs:
+            try:
+                popen.wait(180)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+            result: dict[str, Any] = {"kind": kind, "exit": popen.returncode}
+            if out.exists():
+                result["results"] = json.loads(out.read_text())
+            self.rogue_results.append(result)
+        # Nodes that joined late get to finish starting: a drain needs a running node.
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                waiting = [
+                    n for n, p in self.swarm.nodes.items() if p.alive() and not self.trained(n)
+                ]
+            if not waiting:
+                break
+            time.sleep(1.0)
+        else:
+            self.note("never_trained", nodes=waiting)
+        self._sample_rss()
+        self._check_liveness()
+        self._stop_sampling.set()
+        with self.lock:
+            live = {n for n, p in self.swarm.nodes.items() if p.alive()}
+        codes = self.swarm.stop(self.cfg.stop_timeout_s)
+        for name, code in codes.items():
+            if name in live or name == "coordinator":
+                if code != 0:
+                    proc = self.swarm.nodes.get(name) or self.swarm.coordinator
+                    tail = proc.tail(15) if proc else ""
+                    self.crashed.setdefault(name, f"stop exit {code}: {tail}")
+        audit = self.swarm.audit(self.workdir / "audit.json").summary()
+        joiners = [e["node"] for e in self.events if e["kind"] == "join_mid_round"]
+        joins = joins_during_rounds(self.workdir, joiners)
+        loss_tail = [p["loss"] for p in self.curve if p["t_s"] >= self.cfg.minutes * 60 * 0.9]
+        if not loss_tail and self.curve:
+            loss_tail = [self.curve[-1]["loss"]]
+        return {
+            "faults": dict(self.counts),
+            "faults_skipped": {k: v for k, v in self.skipped.items() if v},
+            "schedule": [dataclasses.asdict(f) for f in self.faults],
+            "events": self.events,
+            "rogue": self.rogue_results,
+            "joins": joins,
+            "joins_in_round": sum(
+                1 for j in joins.values() if isinstance(j, dict) and j["in_round"]
+            ),
+            "audit": audit,
+            "lost_ranges": audit["lost_ranges"],
+            "duplicated_ranges": audit["duplicated_ranges"],
+            "committed_tokens": audit["committed_tokens"],
+            "final_loss": round(statistics.median(loss_tail), 4) if loss_tail else None,
+            "loss_curve": self.curve,
+            "rss_peak_mb": {k: round(v, 1) for k, v in sorted(self.rss_peak.items())},
+            "max_rss_mb": round(max(self.rss_peak.values(), default=0.0), 1),
+            "crashed": self.crashed,
+            "exit_codes": codes,
+        }
+
+
+def joins_during_rounds(workdir: Path, joiners: list[str]) -> dict[str, Any]:
+    """Did each joiner's coordinator join land inside an outer round of its stage?
+
+    From the nodes' event files in `workdir`: a joiner's first `joined` time, and every
+    node's `round_applied` events of stage S, each of which spans [t - seconds, t].
+    Returns per joiner the join time's position.
+    """
+    stage_of: dict[str, int] = {}
+    joined_at: dict[str, float] = {}
+    rounds: dict[int, list[tuple[float, float]]] = {}
+    for path in sorted(workdir.glob(f"*{EVENTS_SUFFIX}")):
+        name = path.name.removesuffix(EVENTS_SUFFIX)
+        stage = None
+        for ev in read_events(path):
+            if ev["event"] == "joined":
+                stage = int(ev["stage"])
+                stage_of[name] = stage
+                joined_at.setdefault(name, float(ev["t"]))
+            elif ev["event"] == "round_applied" and stage is not None:
+                t = float(ev["t"])
+                rounds.setdefault(stage, []).append((t - float(ev["seconds"]), t))
+    out: dict[str, Any] = {}
+    for name in joiners:
+        if name not in joined_at:
+            out[name] = "never joined"
+            continue
+        t, stage = joined_at[name], stage_of[name]
+        inside = any(a <= t <= b for a, b in rounds.get(stage, []))
+        out[name] = {"stage": stage, "in_round": inside, "rounds_seen": len(rounds.get(stage, []))}
+    return out
+
+
+def peak_rss_mb(p: psutil.Process) -> float | None:
+    """Peak resident set (VmHWM) of a process in MB; None if it is gone."""
+    try:
+        with open(f"/proc/{p.pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        return float(p.memory_info().rss) / 2**20
+    except (OSError, psutil.Error):
+        return None
+
+
+def pname(p: psutil.Process) -> str:
+    try:
+        return str(p.name())
+    except psutil.Error:
+        return "gone"

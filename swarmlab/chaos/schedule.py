@@ -1,0 +1,70 @@
+"""The fault schedule of `agora chaos`: its configuration, the fault kinds and `plan`, a
+pure function of the seed (the same seed gives the same schedule)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+KINDS = ("kill_node", "zombie", "kill_coordinator", "cut_stream", "rogue", "join_mid_round")
+LEASE_TTL_S = 10.0  # the chaos swarm's lease TTL (its run.toml), seconds
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ChaosConfig:
+    minutes: float  # length of the fault window (training time measured), minutes
+    seed: int = 0  # schedule seed
+    preset: str = "tiny"  # model preset
+    outer_every_steps: int = 10  # inner steps between DiLoCo rounds (0 = no outer loop)
+    fault_every_s: float = 45.0  # mean seconds between faults
+    zombie_extra_s: float = 5.0  # seconds a zombie stays stopped past the lease TTL
+    coordinator_down_s: float = 3.0  # seconds the coordinator stays dead
+    start_timeout_s: float = 300.0  # seconds for the first four nodes to train
+    stop_timeout_s: float = 120.0  # seconds for the final drain
+    baseline: str = "sequential"  # fault-free comparison: sequential | concurrent | none
+    workdir: Path = Path("chaos-out")  # logs, DBs and per-run files
+
+    def __post_init__(self) -> None:
+        if self.minutes <= 0:
+            raise ValueError(f"minutes must be positive, got {self.minutes}")
+        if self.fault_every_s <= 0:
+            raise ValueError(f"fault_every_s must be positive, got {self.fault_every_s}")
+        if self.baseline not in ("sequential", "concurrent", "none"):
+            raise ValueError(
+                f"baseline must be sequential, concurrent or none, not {self.baseline}"
+            )
+        if self.outer_every_steps < 0:
+            raise ValueError("outer_every_steps must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fault:
+    at_s: float  # seconds into the fault window
+    kind: str  # one of KINDS
+    pick: float  # uniform [0, 1): which eligible victim / stage
+    hold_s: float  # seconds of SIGSTOP (zombie) or of coordinator downtime
+
+
+def plan(seed: int, window_s: float, cfg: ChaosConfig) -> list[Fault]:
+    """The fault schedule of a seed: pure, so the same seed gives the same schedule."""
+    rng = random.Random(seed)
+    n = max(len(KINDS), round(window_s * 0.85 / cfg.fault_every_s))
+    kinds: list[str] = []
+    while len(kinds) < n:
+        cycle = list(KINDS)
+        rng.shuffle(cycle)
+        kinds += cycle
+    kinds = kinds[:n]
+    span = window_s * 0.85
+    step = span / n
+    faults = []
+    for i, kind in enumerate(kinds):
+        at = step * i + rng.uniform(0.1, 0.9) * step
+        hold = (
+            LEASE_TTL_S + cfg.zombie_extra_s + rng.uniform(0, 3)
+            if kind == "zombie"
+            else cfg.coordinator_down_s * rng.uniform(0.5, 1.5)
+        )
+        faults.append(Fault(round(at, 2), kind, rng.random(), round(hold, 2)))
+    return faults
