@@ -1,4 +1,4 @@
-"""The fault injectors of `agora chaos`: each takes the `Run` it acts on and one `Fault`
+"""The fault injectors of `agora chaos`: each takes the `Target` it acts on and one `Fault`
 of the schedule, picks its victim among healthy nodes, injects the fault (signals to a
 node's whole process tree, a coordinator kill and restart, a rogue peer process, a fresh
 node), and records it on the run."""
@@ -8,23 +8,20 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from typing import TYPE_CHECKING
 
 import psutil
 
 from protocol.identity import NodeKey
 from swarmlab.chaos.schedule import Fault
+from swarmlab.chaos.target import Target
 from swarmlab.procs import REPO, spawn
-
-if TYPE_CHECKING:
-    from swarmlab.chaos.run import Run
 
 log = logging.getLogger("agora.chaos")
 
 RESTART_TIMEOUT_S = 240.0  # seconds a restarted coordinator may take to serve (loaded box)
 
 
-def kill_node(run: Run, f: Fault) -> None:
+def kill_node(run: Target, f: Fault) -> None:
     name = run.victim(f.pick)
     if name is None:
         run.skipped[f.kind] += 1
@@ -42,7 +39,7 @@ def kill_node(run: Run, f: Fault) -> None:
     run.note(f.kind, victim=name, replacement=fresh.name)
 
 
-def zombie(run: Run, f: Fault) -> None:
+def zombie(run: Target, f: Fault) -> None:
     name = run.victim(f.pick)
     if name is None:
         run.skipped[f.kind] += 1
@@ -64,7 +61,7 @@ def zombie(run: Run, f: Fault) -> None:
     run.note("zombie_resumed", victim=name)
 
 
-def kill_coordinator(run: Run, f: Fault) -> None:
+def kill_coordinator(run: Target, f: Fault) -> None:
     # One coordinator fault at a time: a restart can take tens of seconds on a
     # loaded machine, and a second kill must hit the restarted process, not the dead
     # one (nor start a second coordinator on the same port).
@@ -91,7 +88,7 @@ def kill_coordinator(run: Run, f: Fault) -> None:
         run.coordinator_busy.release()
 
 
-def rogue(run: Run, f: Fault, attacks: str) -> None:
+def rogue(run: Target, f: Fault, attacks: str) -> None:
     healthy = run.healthy()
     stage1 = sorted(n for n, s in healthy.items() if s == 1)
     if not stage1:
@@ -115,7 +112,7 @@ def rogue(run: Run, f: Fault, attacks: str) -> None:
     run.note(f.kind, victim=name, attacks=attacks)
 
 
-def join_mid_round(run: Run, f: Fault) -> None:
+def join_mid_round(run: Target, f: Fault) -> None:
     stage = int(f.pick * 2)
     delay = 0.0
     if run.cfg.outer_every_steps > 0:
@@ -126,7 +123,7 @@ def join_mid_round(run: Run, f: Fault) -> None:
     run.note(f.kind, node=fresh.name, stage=stage, after_round_s=round(delay, 1))
 
 
-def mid_round_delay(run: Run, stage: int, timeout_s: float = 90.0) -> float:
+def mid_round_delay(run: Target, stage: int, timeout_s: float = 90.0) -> float:
     """Wait for a replica of `stage` to apply a round; return half the observed gap."""
     key = 'agora_node_outer_rounds_total{result="ok"}'
     with run.lock:
@@ -148,7 +145,7 @@ def mid_round_delay(run: Run, stage: int, timeout_s: float = 90.0) -> float:
     return (marks[1] - marks[0]) / 2
 
 
-def inject(run: Run, f: Fault) -> None:
+def inject(run: Target, f: Fault) -> None:
     """Inject one scheduled fault; a failure to inject is recorded, never raised."""
     try:
         if f.kind == "kill_node":

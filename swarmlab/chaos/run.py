@@ -21,91 +21,28 @@ import psutil
 
 from node.events import read_events
 from swarmlab.chaos.faults import children, inject, signal_quietly
-from swarmlab.chaos.schedule import KINDS, LEASE_TTL_S, ChaosConfig, Fault
-from swarmlab.procs import Proc
-from swarmlab.swarm import EVENTS_SUFFIX, LocalSwarm
+from swarmlab.chaos.schedule import ChaosConfig, Fault
+from swarmlab.chaos.target import Target
+from swarmlab.swarm import EVENTS_SUFFIX
 
 log = logging.getLogger("agora.chaos")
 
 SAMPLE_S = 3.0  # seconds between loss / RSS / liveness samples
 
 
-class Run:
+class Run(Target):
     """One swarm under one schedule (empty for the fault-free run)."""
 
     def __init__(self, cfg: ChaosConfig, name: str, faults: list[Fault]) -> None:
-        self.cfg = cfg
-        self.name = name
+        super().__init__(cfg, name)
         self.faults = faults
         self.rng = random.Random(f"{cfg.seed}-{name}-victims")
-        self.workdir = cfg.workdir / name
-        self.swarm = LocalSwarm(
-            workdir=self.workdir,
-            preset=cfg.preset,
-            stages=2,
-            run_config={"lease_ttl_s": LEASE_TTL_S},  # zombies are held past it
-            node_args=["--outer-every-steps", str(cfg.outer_every_steps)],
-        )
-        self.lock = threading.RLock()
-        self.coordinator_busy = threading.Lock()  # held during a coordinator kill+restart
-        self.killed: set[str] = set()  # processes we SIGKILLed (not crashes)
-        self.stopped: set[str] = set()  # nodes currently SIGSTOPped
         self.crashed: dict[str, str] = {}  # name -> why (exit code, log tail)
-        self.coordinator_generation = 0
-        self.counts: dict[str, int] = {k: 0 for k in KINDS}
-        self.skipped: dict[str, int] = {k: 0 for k in KINDS}
-        self.events: list[dict[str, Any]] = []
         self.rogue_results: list[dict[str, Any]] = []
-        self.rogue_procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
         self.rss_peak: dict[str, float] = {}  # process label -> peak MB (VmHWM)
         self.curve: list[dict[str, float]] = []  # t_s, loss, committed tokens
-        self.t0 = 0.0
-        self.serial = 0
         self._stop_sampling = threading.Event()
         self._threads: list[threading.Thread] = []
-
-    # --- helpers ------------------------------------------------------------------------
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-    def note(self, kind: str, **detail: Any) -> None:
-        with self.lock:
-            self.events.append({"t_s": round(self.now(), 1), "kind": kind, **detail})
-        log.info("[%s] %6.1fs %s %s", self.name, self.now(), kind, detail)
-
-    def new_node(self, stage: int, prefix: str) -> Proc:
-        with self.lock:
-            self.serial += 1
-            name = f"{prefix}{self.serial}s{stage}"
-            return self.swarm.add_node(name, stage)
-
-    def trained(self, name: str) -> bool:
-        scraped = self.swarm.scrape(name)
-        return (
-            scraped.get("agora_node_tokens_total", 0.0) > 0
-            or scraped.get("agora_p2p_served_total", 0.0) > 0
-        )
-
-    def healthy(self) -> dict[str, int]:
-        """Live, running (not stopped) nodes that have trained: name -> stage."""
-        with self.lock:
-            cands = [
-                (n, p)
-                for n, p in self.swarm.nodes.items()
-                if p.alive() and n not in self.stopped and n not in self.killed
-            ]
-        return {n: int(p.stage or 0) for n, p in cands if self.trained(n)}
-
-    def victim(self, pick: float) -> str | None:
-        healthy = self.healthy()
-        per_stage: dict[int, int] = {}
-        for s in healthy.values():
-            per_stage[s] = per_stage.get(s, 0) + 1
-        eligible = sorted(n for n, s in healthy.items() if per_stage[s] >= 2)
-        if not eligible:
-            return None
-        return eligible[int(pick * len(eligible))]
 
     # --- sampling -----------------------------------------------------------------------
 
