@@ -50,6 +50,7 @@ Admin calls carry `admin_token` and answer `OkReply` or `ErrorReply(code="forbid
 
 from __future__ import annotations
 
+from protocol.addrs import multiaddr_problem
 from protocol.message import Message, bounded, message, record
 
 MAX_PEERS_IN_REPLY = 200_000  # items
@@ -165,9 +166,11 @@ class StageStatus(Message):
 class JoinRequest(Message):
     """Become a member. The identity is the signing key of the enclosing SignedRequest."""
 
-    addrs: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)  # libp2p multiaddrs
+    addrs: list[str] = bounded(
+        max_len=MAX_ADDRS, each=multiaddr_problem, default_factory=list
+    )  # libp2p multiaddrs
     # hivemind DHT multiaddrs of the node's outer-loop process (bootstrap for others)
-    dht_addrs: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)
+    dht_addrs: list[str] = bounded(max_len=MAX_ADDRS, each=multiaddr_problem, default_factory=list)
     device: str = bounded(max_len=64, default="cpu")
     throughput: float = bounded(ge=0.0, le=1e12, default=0.0)  # measured tokens/s
     deadline: float | None = bounded(ge=0.0, default=None)  # unix seconds (batch jobs)
@@ -194,7 +197,7 @@ class HeartbeatRequest(Message):
     leases: list[LeaseRef] = bounded(max_len=1024, default_factory=list)  # leases held
     throughput: float | None = bounded(ge=0.0, le=1e12, default=None)  # tokens/s update
     # the node's hivemind DHT addresses, sent once when they change (None = unchanged)
-    dht_addrs: list[str] | None = bounded(max_len=MAX_ADDRS, default=None)
+    dht_addrs: list[str] | None = bounded(max_len=MAX_ADDRS, each=multiaddr_problem, default=None)
 
 
 @message("heartbeat.reply", version=1)

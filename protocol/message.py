@@ -33,11 +33,17 @@ def bounded(
     max_len: int | None = None,
     min_len: int | None = None,
     choices: tuple[str, ...] | None = None,
+    each: Callable[[Any], str | None] | None = None,
     default: Any = dataclasses.MISSING,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
-    """A dataclass field with wire-level bounds checked by `from_wire`."""
-    meta = {"ge": ge, "le": le, "max_len": max_len, "min_len": min_len, "choices": choices}
+    """A dataclass field with wire-level bounds checked by `from_wire`. `each` checks a
+    str value (every item of a list of str): it returns why the value is refused, or
+    None."""
+    meta: dict[str, Any] = {
+        "ge": ge, "le": le, "max_len": max_len, "min_len": min_len, "choices": choices,
+        "each": each,
+    }  # fmt: skip
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -169,7 +175,7 @@ def _checker(tp: Any, meta: dict[str, Any]) -> Callable[[Any, str], Any]:
     if tp is bytes:
         return _make_bytes_check(meta)
     if origin is list:
-        return _make_list_check(_checker(args[0], {}), meta)
+        return _make_list_check(_checker(args[0], {"each": meta.get("each")}), meta)
     if origin is dict:
         if args[0] is not str:
             raise TypeError("dict fields need str keys")
@@ -217,6 +223,7 @@ def _make_str_check(meta: dict[str, Any]) -> Callable[[Any, str], str]:
     max_len = meta.get("max_len") or MAX_STR
     min_len = meta.get("min_len") or 0
     choices = meta.get("choices")
+    each = meta.get("each")
 
     def check(v: Any, where: str) -> str:
         if type(v) is not str:
@@ -225,6 +232,8 @@ def _make_str_check(meta: dict[str, Any]) -> Callable[[Any, str], str]:
             raise _fail(where, f"length {len(v)} outside [{min_len}, {max_len}]")
         if choices is not None and v not in choices:
             raise _fail(where, f"{v[:32]!r} is not one of {choices}")
+        if each is not None and (problem := each(v)) is not None:
+            raise _fail(where, problem)
         return v
 
     return check

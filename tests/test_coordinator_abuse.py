@@ -147,3 +147,32 @@ def test_allowlist_mode(tmp_path: Path) -> None:
         _honest(coord.port, bad)
     assert err.value.code == "unauthorized"
     assert coord.stop() == 0
+
+
+def test_a_join_or_heartbeat_with_a_bad_address_is_refused(tmp_path: Path) -> None:
+    """Addresses are checked at the coordinator's edge: a bad one is refused with an
+    error naming it, never stored or handed to other members."""
+    coord = start_coordinator(tmp_path, config=write_config(tmp_path), db=tmp_path / "c.sqlite")
+    key = NodeKey.generate()
+    good = f"/ip4/127.0.0.1/tcp/4001/p2p/{key.peer_id}"
+
+    async def go() -> None:
+        async with CoordinatorClient("127.0.0.1", coord.port, key, config=FAST) as cl:
+            for bad in (c.JoinRequest(addrs=["garbage"]), c.JoinRequest(dht_addrs=[good, "/x"])):
+                with pytest.raises(CoordinatorError, match="bad_request") as err:
+                    await cl.join(bad)
+                assert "addrs" in str(err.value)
+            await cl.join(c.JoinRequest(addrs=[good]))
+            cl.announce_dht(["/ip4/1.2.3.4/tcp/99999"])
+            with pytest.raises(CoordinatorError, match="bad_request"):
+                await cl.heartbeat()
+            cl.announce_dht([good])
+            await cl.heartbeat()
+            view = await cl.membership()
+            assert [p.addrs for p in view.peers.values()] == [[good]]
+            assert [p.dht_addrs for p in view.peers.values()] == [[good]]
+
+    try:
+        trio.run(go)
+    finally:
+        coord.stop()
