@@ -78,7 +78,8 @@ class CoordinatorConfig:
     join_token: str = dataclasses.field(default="", repr=False)  # for auth = "token"
     allowlist: list[str] = dataclasses.field(default_factory=list)  # peer ids (allowlist)
     admin_token: str = dataclasses.field(default="", repr=False)  # empty: admin calls off
-    max_frame_bytes: int = 8 << 20  # bytes per frame
+    max_frame_bytes: int = 8 << 20  # bytes per reply frame (a shard's bytes fit in one)
+    max_request_bytes: int = 1 << 20  # bytes per request frame (requests are small)
     max_connections: int = 20_000  # concurrent connections
     idle_timeout_s: float = 300.0  # seconds a silent connection stays open
     rate_per_peer: float = 50.0  # sustained requests/s per key
@@ -136,6 +137,10 @@ class CoordinatorConfig:
         need(self.grant_tokens is None or self.grant_tokens >= 0, "grant_tokens must be >= 0")
         need(0 < self.rebalance_ratio <= 1, "rebalance_ratio must be in (0, 1]")
         need(self.max_frame_bytes >= 4096, "max_frame_bytes must be >= 4096")
+        need(
+            4096 <= self.max_request_bytes <= self.max_frame_bytes,
+            "max_request_bytes must be in [4096, max_frame_bytes]",
+        )
         need(
             self.max_frame_bytes >= self.shard_tokens + 4096,
             f"max_frame_bytes ({self.max_frame_bytes}) must exceed shard_tokens"

@@ -220,7 +220,11 @@ class CoordinatorServer:
             self.audit.feed(events)
         self.service.expire(time.time())  # leases and peers that lapsed while we were down
         self._server = await asyncio.start_server(
-            self._client, self.cfg.host, self.cfg.port, limit=self.cfg.max_frame_bytes, backlog=4096
+            self._client,
+            self.cfg.host,
+            self.cfg.port,
+            limit=self.cfg.max_request_bytes,
+            backlog=4096,
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
         for coro in (self.commits.run(), self._sweeper()):
@@ -330,7 +334,7 @@ class CoordinatorServer:
     async def _serve(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str
     ) -> None:
-        decoder = FrameDecoder(max_frame=self.cfg.max_frame_bytes)
+        decoder = FrameDecoder(max_frame=self.cfg.max_request_bytes)
         svc, m = self.service, self.metrics
         while True:
             data = await asyncio.wait_for(reader.read(1 << 16), self.cfg.idle_timeout_s)

@@ -21,12 +21,17 @@ from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.verify import PeerIds, verify
 from protocol import control as c
-from protocol.codec import decode
 from protocol.corpus import Manifest, ShardInfo
 from protocol.errors import ProtocolError
 from protocol.launch import FacilityReport
 from protocol.message import Message
-from protocol.signing import ReplayGuard, SignedRequest, signed_bytes
+from protocol.signing import (
+    ReplayGuard,
+    SignedRequest,
+    decode_body,
+    open_envelope,
+    signed_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +130,9 @@ class Service:
     def open(self, payload: bytes) -> SignedRequest:
         """Decode a frame payload into a signed request (not yet verified); `BadFrame`."""
         try:
-            req = decode(payload, max_size=self.cfg.max_frame_bytes)
+            return open_envelope(payload, max_size=self.cfg.max_request_bytes)
         except ProtocolError as exc:
             raise BadFrame(str(exc)) from exc
-        if not isinstance(req, SignedRequest):
-            raise BadFrame(f"expected a signed request, got {req.TYPE!r}")
-        return req
 
     def apply(
         self, req: SignedRequest, verified: bool, host: str, now: float
@@ -144,7 +146,7 @@ class Service:
         except ProtocolError as exc:
             return "unknown", _err("replay", str(exc))
         try:
-            body = decode(req.body, max_size=self.cfg.max_frame_bytes)
+            body = decode_body(req, max_size=self.cfg.max_request_bytes)
         except ProtocolError as exc:
             return "unknown", _err("bad_request", str(exc))
         method = body.TYPE

@@ -2,10 +2,14 @@
 
 Unpacking always bounds the buffer, refuses non-string map keys and builds no objects
 from extension types: `ExtType` values that reach a message decoder are rejected there.
+`UnpackLimits` bounds every string, binary, array and map while msgpack reads them,
+before any object is built: a frame of tiny nested arrays would otherwise cost dozens
+of bytes of memory per byte received.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -14,6 +18,16 @@ from protocol.errors import ProtocolError
 from protocol.message import Message, message_class
 
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024  # bytes
+
+
+@dataclass(frozen=True, slots=True)
+class UnpackLimits:
+    """Largest single object msgpack may read (anything larger is malformed input)."""
+
+    max_str_len: int  # bytes of one str
+    max_bin_len: int  # bytes of one bin
+    max_array_len: int  # items of one array
+    max_map_len: int  # entries of one map
 
 
 def packb(obj: Any) -> bytes:
@@ -26,16 +40,28 @@ def packb(obj: Any) -> bytes:
     return out
 
 
-def unpackb(data: bytes, *, max_size: int = DEFAULT_MAX_FRAME) -> Any:
-    """Unpack one msgpack object with every limit explicit."""
+def unpackb(
+    data: bytes, *, max_size: int = DEFAULT_MAX_FRAME, limits: UnpackLimits | None = None
+) -> Any:
+    """Unpack one msgpack object with every limit explicit (`limits` None: each object
+    is bounded by `max_size` only)."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
     if len(data) > max_size:
         raise ProtocolError(f"payload of {len(data)} bytes exceeds the limit of {max_size}")
+    cap = max(max_size, 1)
+    lim = limits or UnpackLimits(
+        max_str_len=cap, max_bin_len=cap, max_array_len=cap, max_map_len=cap
+    )
     unpacker = msgpack.Unpacker(
         raw=False,
         strict_map_key=True,
-        max_buffer_size=max(max_size, 1),
+        max_buffer_size=cap,
+        max_str_len=min(lim.max_str_len, cap),
+        max_bin_len=min(lim.max_bin_len, cap),
+        max_array_len=min(lim.max_array_len, cap),
+        max_map_len=min(lim.max_map_len, cap),
+        max_ext_len=0,
         use_list=True,
     )
     try:
@@ -53,9 +79,11 @@ def encode(msg: Message) -> bytes:
     return packb(msg.to_wire())
 
 
-def decode(data: bytes, *, max_size: int = DEFAULT_MAX_FRAME) -> Message:
+def decode(
+    data: bytes, *, max_size: int = DEFAULT_MAX_FRAME, limits: UnpackLimits | None = None
+) -> Message:
     """Parse wire bytes into a validated message, or raise `ProtocolError`."""
-    obj = unpackb(data, max_size=max_size)
+    obj = unpackb(data, max_size=max_size, limits=limits)
     if not isinstance(obj, dict):
         raise ProtocolError(f"a message must be a map, got {type(obj).__name__}")
     tag = obj.get("t")

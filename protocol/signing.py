@@ -4,6 +4,12 @@ A `SignedRequest` wraps the encoded body with the sender's public key, a timesta
 random nonce and an ed25519 signature over all of them. `ReplayGuard` refuses requests
 outside the clock-skew window and any (key, nonce) pair seen within it. Sans-I/O: the
 caller passes the current time.
+
+Both layers are decoded under tight msgpack limits. The envelope is read before its
+signature is checked, so anyone can send one: it is one flat map of a few scalars and
+the body (`envelope_limits`: no arrays at all, short strings). The body is read after
+the check, from a known key, under the bounds of the largest request
+(`request_limits`).
 """
 
 from __future__ import annotations
@@ -12,12 +18,16 @@ import secrets
 import struct
 from collections import OrderedDict
 
-from protocol.codec import DEFAULT_MAX_FRAME, decode, encode
+from protocol.codec import DEFAULT_MAX_FRAME, UnpackLimits, decode, encode
 from protocol.errors import ProtocolError
 from protocol.identity import PUBLIC_KEY_SIZE, NodeKey, verify_signature
 from protocol.message import Message, bounded, message
 
 NONCE_SIZE = 16  # bytes
+ENVELOPE_MAX_MAP = 16  # entries of the envelope map (7 today; newer fields are ignored)
+ENVELOPE_MAX_STR = 64  # bytes of a str in the envelope (the type tag and field names)
+REQUEST_MAX_ITEMS = 4096  # items of one array or map in a request body (a facility report)
+REQUEST_MAX_STR = 4096  # bytes of one str in a request body (the longest bounded field)
 _DOMAIN = b"agora/request/v1\0"
 
 
@@ -28,6 +38,34 @@ class SignedRequest(Message):
     nonce: bytes = bounded(min_len=NONCE_SIZE, max_len=NONCE_SIZE)
     body: bytes  # an encoded message
     sig: bytes = bounded(min_len=64, max_len=64)
+
+
+def envelope_limits(max_size: int) -> UnpackLimits:
+    return UnpackLimits(
+        max_str_len=ENVELOPE_MAX_STR, max_bin_len=max_size, max_array_len=0,
+        max_map_len=ENVELOPE_MAX_MAP,
+    )  # fmt: skip
+
+
+def request_limits(max_size: int) -> UnpackLimits:
+    return UnpackLimits(
+        max_str_len=REQUEST_MAX_STR, max_bin_len=max_size, max_array_len=REQUEST_MAX_ITEMS,
+        max_map_len=REQUEST_MAX_ITEMS,
+    )  # fmt: skip
+
+
+def open_envelope(payload: bytes, *, max_size: int = DEFAULT_MAX_FRAME) -> SignedRequest:
+    """The signed request a frame carries, not yet verified; `ProtocolError` if it is
+    anything else."""
+    req = decode(payload, max_size=max_size, limits=envelope_limits(max_size))
+    if not isinstance(req, SignedRequest):
+        raise ProtocolError(f"expected a signed request, got {req.TYPE!r}")
+    return req
+
+
+def decode_body(req: SignedRequest, *, max_size: int = DEFAULT_MAX_FRAME) -> Message:
+    """The request inside a verified envelope."""
+    return decode(req.body, max_size=max_size, limits=request_limits(max_size))
 
 
 def signed_bytes(key: bytes, ts: float, nonce: bytes, body: bytes) -> bytes:
@@ -77,4 +115,4 @@ def verify_request(
     """Check signature, time window and replay; return the decoded body."""
     verify_signature(req.key, req.sig, signed_bytes(req.key, req.ts, req.nonce, req.body))
     guard.check(req.key, req.nonce, req.ts, now)
-    return decode(req.body, max_size=max_size)
+    return decode_body(req, max_size=max_size)

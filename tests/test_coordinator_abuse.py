@@ -5,11 +5,13 @@ each, an honest client is still served and the bad-frame counter moved."""
 from __future__ import annotations
 
 import re
+import secrets
 import socket
 import time
 import urllib.request
 from pathlib import Path
 
+import msgpack
 import pytest
 import trio
 from coordinator_harness import write_config
@@ -17,9 +19,9 @@ from coordinator_harness import write_config
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
 from protocol import control as c
 from protocol.codec import decode
-from protocol.framing import FrameDecoder, frame_message
+from protocol.framing import HEADER, FrameDecoder, frame, frame_message
 from protocol.identity import NodeKey
-from protocol.signing import sign_request
+from protocol.signing import NONCE_SIZE, SignedRequest, sign_request, signed_bytes
 from swarmlab.coordinator import start_coordinator
 
 FAST = ClientConfig(call_timeout_s=5.0, retry_deadline_s=30.0)
@@ -174,5 +176,32 @@ def test_a_join_or_heartbeat_with_a_bad_address_is_refused(tmp_path: Path) -> No
 
     try:
         trio.run(go)
+    finally:
+        coord.stop()
+
+
+def test_nested_msgpack_is_refused_while_it_is_read(tmp_path: Path) -> None:
+    """Bytes that would unpack into millions of tiny objects never get that far: the
+    envelope (read before any signature check) admits no array at all, a signed body no
+    array over 4,096 items, and a request frame is capped at max_request_bytes (1 MiB).
+    The honest client is served after each."""
+    coord = start_coordinator(tmp_path, config=write_config(tmp_path), db=tmp_path / "c.sqlite")
+    key = NodeKey.generate()
+    try:
+        flat = msgpack.packb({"t": "signed", "v": 1, "junk": [[] for _ in range(500_000)]})
+        (reply,) = _raw(coord.port, frame(flat))
+        assert isinstance(reply, c.ErrorReply) and reply.code == "bad_frame"
+        assert "max_array_len" in reply.detail
+        (reply,) = _raw(coord.port, HEADER.pack(2 << 20) + b"x" * 100)  # 2 MiB claimed
+        assert isinstance(reply, c.ErrorReply) and reply.code == "bad_frame"
+        body = msgpack.packb({"t": "status", "v": 1, "junk": [[]] * 5000})
+        now = time.time()
+        nonce = secrets.token_bytes(NONCE_SIZE)
+        sig = key.sign(signed_bytes(key.public_key, now, nonce, body))
+        req = SignedRequest(key=key.public_key, ts=now, nonce=nonce, body=body, sig=sig)
+        (reply,) = _raw(coord.port, frame_message(req))
+        assert isinstance(reply, c.ErrorReply) and reply.code == "bad_request"
+        assert "max_array_len" in reply.detail
+        assert _honest(coord.port, key).peers == 1
     finally:
         coord.stop()

@@ -24,8 +24,10 @@ from protocol import (
     sign_request,
     verify_request,
 )
+from protocol.codec import UnpackLimits, packb, unpackb
 from protocol.control import ErrorReply
 from protocol.corpus import Manifest, ShardInfo
+from protocol.signing import envelope_limits, open_envelope, request_limits
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -241,3 +243,17 @@ def test_peer_id_matches_libp2p_format() -> None:
     # Computed by libp2p 0.8.1: ID.from_pubkey(create_new_key_pair(b"\x01"*32).public_key)
     assert key.peer_id == "12D3KooWK99VoVxNE7XzyBwXEzW7xhK7Gpv85r9F3V3fyKSUKPH5"
     assert "seed" not in repr(key) and key.seed.hex() not in repr(key)
+
+
+def test_unpack_limits_bound_every_object_while_reading() -> None:
+    lim = UnpackLimits(max_str_len=4, max_bin_len=4, max_array_len=2, max_map_len=2)
+    assert unpackb(packb({"a": [1, 2], "b": b"xy"}), limits=lim) == {"a": [1, 2], "b": b"xy"}
+    for too_big in ([1, 2, 3], "abcde", b"abcde", {"a": 1, "b": 2, "c": 3}, [[[]], [], []]):
+        with pytest.raises(ProtocolError, match="exceeds max_"):
+            unpackb(packb(too_big), limits=lim)
+    with pytest.raises(ProtocolError):  # extension types are refused while reading
+        unpackb(b"\xd4\x01\x00")
+    assert envelope_limits(1 << 20).max_array_len == 0
+    assert request_limits(1 << 20).max_array_len == 4096
+    with pytest.raises(ProtocolError, match="max_array_len"):
+        open_envelope(packb({"t": "signed", "v": 1, "junk": [[]]}))
