@@ -24,7 +24,7 @@ from protocol import (
     sign_request,
     verify_request,
 )
-from protocol.codec import UnpackLimits, packb, unpackb
+from protocol.codec import UnpackLimits, unpackb
 from protocol.control import ErrorReply
 from protocol.corpus import Manifest, ShardInfo
 from protocol.signing import envelope_limits, open_envelope, request_limits
