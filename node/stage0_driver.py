@@ -99,7 +99,11 @@ class Stage0Driver:
                         await self.drain.wait()
                     continue
                 await slots.acquire()
+                # A fence may have emptied the pool while this waited for a slot.
                 batch = self.pool.take(self.micro_batch, self.rng)
+                if not batch:
+                    slots.release()
+                    continue
                 nursery.start_soon(self._microbatch, batch, slots)
             # In-flight micro-batches finish (or give up); windows never trained stay
             # uncommitted, and their leases are released at the commit point.
