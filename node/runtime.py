@@ -166,6 +166,8 @@ class Node:
             weight_decay=self.cfg.weight_decay,
             inner_batch_tokens=self.cfg.inner_batch_tokens,
             cache_size=self.cfg.activation_cache,
+            # twice what this node's own micro-batches need
+            cache_tokens=2 * self.cfg.activation_cache * self.cfg.micro_batch * self.cfg.seq_len,
         )
         compute = self.compute = await self.worker.run(
             StageCompute, model_cfg, self.stage, run.n_stages, run.codec, inner, self.device

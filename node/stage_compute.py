@@ -45,6 +45,9 @@ class InnerConfig:
     weight_decay: float  # AdamW decay on matrices
     inner_batch_tokens: int  # tokens per optimizer step
     cache_size: int  # micro-batches kept for backward
+    # tokens whose activations are kept, all cached micro-batches together (a sender's
+    # oversized blocks evict, and are recomputed at backward, instead of filling memory)
+    cache_tokens: int = 1 << 16
     grad_clip: float = 1.0  # max global grad norm
 
 
@@ -122,7 +125,10 @@ class StageCompute:
             return grad, float(loss.item())
         out = self.model(x)
         self._cache[mb_id] = (x if not self.is_first else None, out, self.weights_version)
-        while len(self._cache) > self.inner.cache_size:
+        while self._cache and (
+            len(self._cache) > self.inner.cache_size
+            or self._cached_tokens() > self.inner.cache_tokens
+        ):
             self._cache.popitem(last=False)
         assert self.codec_out is not None
         return self.codec_out.encode_forward(out, inputs)
@@ -161,6 +167,9 @@ class StageCompute:
     def weights_changed(self) -> None:
         """Call after changing the weights outside `step` (an outer-step merge)."""
         self.weights_version += 1
+
+    def _cached_tokens(self) -> int:
+        return sum(int(out.shape[0] * out.shape[1]) for _, out, _ in self._cache.values())
 
     def drop(self, mb_id: str) -> None:
         self._cache.pop(mb_id, None)
