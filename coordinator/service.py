@@ -232,7 +232,7 @@ class Service:
             device=req.device,
             throughput=req.throughput,
             deadline=req.deadline,
-            metrics_host=None if req.observer else req.metrics_host or host,
+            metrics_host=None if req.observer else host,  # the source, never a claim
             metrics_port=None if req.observer else req.metrics_port,  # not a scrape target
             fixed_stage=req.stage is not None or req.observer,
             joined_at=now,

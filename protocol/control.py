@@ -176,8 +176,11 @@ class JoinRequest(Message):
     deadline: float | None = bounded(ge=0.0, default=None)  # unix seconds (batch jobs)
     stage: int | None = bounded(ge=0, default=None)  # ask for a fixed stage
     join_token: str = bounded(max_len=256, default="")  # for auth mode "token"
-    metrics_port: int | None = bounded(ge=1, le=65535, default=None)  # Prometheus port
-    metrics_host: str | None = bounded(max_len=255, default=None)  # default: source address
+    # Prometheus port; not a privileged one, since Prometheus will scrape it
+    metrics_port: int | None = bounded(ge=1024, le=65535, default=None)
+    # ignored: the scrape target is the join's source address, so a member cannot point
+    # Prometheus at another host (kept so that older nodes still decode)
+    metrics_host: str | None = bounded(max_len=255, default=None)
     # join as an observer: listed in the membership view (so peers serve its data-plane
     # requests) but on no stage, never routed to, never given a lease; `stage` must be
     # unset and the reply's stage is `RunInfo.n_stages`. Auth modes apply as to any join.

@@ -4,6 +4,7 @@ each, an honest client is still served and the bad-frame counter moved."""
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import socket
@@ -23,6 +24,7 @@ from protocol.framing import HEADER, FrameDecoder, frame, frame_message
 from protocol.identity import NodeKey
 from protocol.signing import NONCE_SIZE, SignedRequest, sign_request, signed_bytes
 from swarmlab.coordinator import start_coordinator
+from swarmlab.procs import wait_for
 
 FAST = ClientConfig(call_timeout_s=5.0, retry_deadline_s=30.0)
 
@@ -203,5 +205,29 @@ def test_nested_msgpack_is_refused_while_it_is_read(tmp_path: Path) -> None:
         assert isinstance(reply, c.ErrorReply) and reply.code == "bad_request"
         assert "max_array_len" in reply.detail
         assert _honest(coord.port, key).peers == 1
+    finally:
+        coord.stop()
+
+
+def test_scrape_targets_are_the_source_address_on_an_unprivileged_port(tmp_path: Path) -> None:
+    """A member cannot point Prometheus at another host or at a privileged port: the
+    file-SD target is the join's source address, and ports below 1024 are refused."""
+    sd = tmp_path / "nodes.json"
+    coord = start_coordinator(
+        tmp_path, config=write_config(tmp_path), db=tmp_path / "c.sqlite",
+        args=["--prometheus-sd", str(sd)],
+    )  # fmt: skip
+
+    async def go() -> None:
+        async with CoordinatorClient("127.0.0.1", coord.port, NodeKey.generate(), config=FAST) as a:
+            await a.join(c.JoinRequest(metrics_port=9100, metrics_host="10.9.9.9"))
+        async with CoordinatorClient("127.0.0.1", coord.port, NodeKey.generate(), config=FAST) as b:
+            with pytest.raises(CoordinatorError, match="bad_request.*metrics_port"):
+                await b.join(c.JoinRequest(metrics_port=22))
+
+    try:
+        trio.run(go)
+        groups = wait_for(lambda: sd.exists() and json.loads(sd.read_text()), "the file-SD", 30)
+        assert [t for g in groups for t in g["targets"]] == ["127.0.0.1:9100"]
     finally:
         coord.stop()
