@@ -97,8 +97,10 @@ class Service:
         self.limiter = RateLimiter(cfg.rate_per_peer, cfg.rate_burst)
         self.peer_ids = PeerIds()
         self.allowlist = set(cfg.allowlist)
+        # only training shards are served: a member that held the held-out shards could
+        # train on the evaluation data (evaluation reads them locally, by the manifest)
         self.shards: dict[int, ShardInfo] = {s.shard_id: s for s in manifest.train}
-        self.shards.update({s.shard_id: s for s in manifest.heldout})
+        self.heldout_ids = {s.shard_id for s in manifest.heldout}
         self.progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=120)
         self.committed_total = 0  # tokens committed since start (for the rate estimate)
         # queue-aware placement across HPC facilities (coordinator/facilities.py)
@@ -394,6 +396,8 @@ class Service:
 
     def _shard(self, peer: Peer, req: c.ShardFetch, now: float) -> Message:
         info = self.shards.get(req.shard_id)
+        if req.shard_id in self.heldout_ids:
+            return _err("not_found", f"shard {req.shard_id} is held out: it is never served")
         if info is None:
             return _err("not_found", f"no shard {req.shard_id} in the manifest")
         data = self.corpus[info.start : info.start + info.tokens]

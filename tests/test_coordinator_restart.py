@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 from coordinator_harness import write_config
 
-from node.coordinator_client import ClientConfig, CoordinatorClient, lease_ref
+from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError, lease_ref
 from protocol import control as c
 from protocol.identity import NodeKey
 from swarmlab.coordinator import audit, start_coordinator
@@ -40,6 +41,9 @@ def test_sigkill_restart_keeps_state_and_audit_is_clean(
             assert lease is not None
             data = await a.fetch_shard(lease.shard_id)
             assert len(data) == lease.shard_tokens
+            heldout = (await a.manifest()).heldout[0].shard_id
+            with pytest.raises(CoordinatorError, match="held out"):  # evaluation data
+                await a.fetch_shard(heldout)
             await a.commit(lease, 0, 100)
             await a.commit(lease, 100, 300)
             return lease, joined.membership_version, await a.status()
