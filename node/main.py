@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,7 +64,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--deadline", default=None,
         help="leave before this time: unix seconds, ISO 8601, or +DURATION such as +2h",
     )  # fmt: skip
-    p.add_argument("--join-token", default=None, help="token for closed runs (auth mode token)")
+    p.add_argument(
+        "--join-token", default=None,
+        help="token for closed runs (auth mode token); other users see it in `ps`: prefer"
+        " --join-token-file or the AGORA_JOIN_TOKEN environment variable",
+    )  # fmt: skip
+    p.add_argument(
+        "--join-token-file", type=Path, default=None, metavar="FILE",
+        help="read the join token from FILE (its first line)",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=None, help="stop after committing N tokens")
     p.add_argument(
         "--outer-every-steps", type=int, default=None,
@@ -151,6 +160,20 @@ async def _run(cfg: NodeConfig, key: NodeKey, device: str) -> int:
     return 0
 
 
+def join_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """--join-token, else the first line of --join-token-file, else AGORA_JOIN_TOKEN, else
+    None (the config file's, if any). This is where the node reads the environment."""
+    if args.join_token is not None:
+        return str(args.join_token)
+    if args.join_token_file is not None:
+        lines = Path(args.join_token_file).expanduser().read_text().splitlines()
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise ValueError(f"--join-token-file {args.join_token_file} holds no token")
+        return token
+    return environ.get("AGORA_JOIN_TOKEN") or None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -171,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 "relay_hop": args.relay_hop,
                 "metrics_port": args.metrics_port,
                 "deadline": args.deadline,
-                "join_token": args.join_token,
+                "join_token": join_token(args, os.environ),
                 "max_tokens": args.max_tokens,
                 "outer_every_steps": args.outer_every_steps,
                 "checkpoint_dir": args.checkpoint_dir,

@@ -62,8 +62,10 @@ def _closed_swarm(workdir: Path, mode: str, keys: dict[str, NodeKey]) -> LocalSw
         run_config={"run_id": "closed", **auth},
     )
     node_toml = swarm.write_node_config(outer_every_steps=0)
+    token_file = workdir / "join-token"  # not on the command line, where `ps` shows it
+    token_file.write_text(TOKEN + "\n")
     swarm.node_args = ["--config", str(node_toml)] + (
-        ["--join-token", TOKEN] if mode == "token" else []
+        ["--join-token-file", str(token_file)] if mode == "token" else []
     )
     return swarm
 
