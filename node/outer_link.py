@@ -79,6 +79,16 @@ class OuterLinkError(RuntimeError):
     pass
 
 
+def _create_private(path: Path, size: int) -> None:
+    """A new file of `size` bytes that only this user can read: never an existing file
+    or a link someone else planted under the name (/dev/shm is shared by every user)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
 class OuterLink:
     """See the module docstring. Build with `OuterLink.start(...)`."""
 
@@ -128,8 +138,7 @@ class OuterLink:
         snap, result = SHM_DIR / f"{tag}-snap", SHM_DIR / f"{tag}-result"
         momentum = SHM_DIR / f"{tag}-m"
         for p in (snap, result, momentum):
-            with open(p, "wb") as fh:
-                fh.truncate(numel * 4)
+            _create_private(p, numel * 4)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("OMP_NUM_THREADS", "1")

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node.outer import contract as c
-from node.outer_link import OuterLink, OuterLinkError
+from node.outer_link import OuterLink, OuterLinkError, _create_private
 from protocol.codec import packb
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame
@@ -356,3 +356,15 @@ def test_arguments_the_contract_cannot_carry_are_value_errors(
         link.fetch_state(timeout=1e9)
     with pytest.raises(ValueError):
         link.begin_round([torch.ones(8)], 2**63)
+
+
+def test_shared_memory_files_are_private_and_never_an_existing_name(tmp_path: Path) -> None:
+    path = tmp_path / "seg"
+    _create_private(path, 4096)
+    assert path.stat().st_size == 4096 and path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        _create_private(path, 16)  # someone else's file under the name
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    with pytest.raises(OSError):
+        _create_private(tmp_path / "link", 16)  # a planted link is not followed
+    assert not (tmp_path / "target").exists()
