@@ -189,6 +189,11 @@ class Service:
         peer = self.membership.live.get(peer_id)
         if peer is None:
             if isinstance(body, c.LeaseCommit | c.LeaseComplete | c.LeaseRelease):
+                lease = self.book.leases.get(body.lease_id)
+                if lease is None or lease.holder != peer_id:
+                    # not this key's lease: refused without touching the book (whose
+                    # fences are audited, durable writes a stranger must not cause)
+                    return _err("fenced", f"lease {body.lease_id} is not held by this peer")
                 # a lapsed holder's lease calls are answered by the lease book: `fenced`
                 stub = Peer(peer_id, key, 0, [], [], "", 0.0, None, None, None, False, now, now)
                 return handler(stub, body, now)

@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 from coordinator_harness import write_config
 
 from coordinator.audit import replay
 from coordinator.store import read_audit, read_shard_sizes
-from node.coordinator_client import ClientConfig, CoordinatorClient
+from node.coordinator_client import ClientConfig, CoordinatorClient, FencedError
 from protocol import control as c
 from protocol.identity import NodeKey
 from swarmlab.coordinator import audit, start_coordinator
@@ -79,3 +80,32 @@ def test_sigstopped_holder_is_fenced_and_shard_finished_once(
     assert any(e.kind == "expire" and e.shard_id == shard_id for e in events)
     (report,) = replay(events, read_shard_sizes(db))
     assert report.clean
+
+
+def test_a_stranger_cannot_fence_or_write_the_audit_log(tmp_path: Path) -> None:
+    """Lease calls from a key that holds no lease (never a member) are refused as
+    `fenced` without reaching the lease book: no audit row, no durable write, and the
+    holder's lease is untouched."""
+    db = tmp_path / "c.sqlite"
+    coord = start_coordinator(tmp_path, config=write_config(tmp_path), db=db)
+    holder_key, stranger_key = NodeKey.generate(), NodeKey.generate()
+
+    async def go() -> None:
+        async with (
+            CoordinatorClient("127.0.0.1", coord.port, holder_key, config=FAST) as holder,
+            CoordinatorClient("127.0.0.1", coord.port, stranger_key, config=FAST) as stranger,
+        ):
+            await holder.join(c.JoinRequest())
+            lease = await holder.acquire()
+            assert lease is not None
+            for call in (stranger.commit(lease, 0, 100), stranger.release(lease)):
+                with pytest.raises(FencedError, match="not held by this peer"):
+                    await call
+            await holder.commit(lease, 0, 100)  # the holder's lease is untouched
+
+    try:
+        trio.run(go)
+    finally:
+        coord.stop()
+    kinds = [e.kind for e in read_audit(db)]
+    assert "fence" not in kinds and kinds.count("commit") == 1
