@@ -72,6 +72,28 @@ class OuterLoop:
         self.state: GlobalState | None = None  # the newest loaded or applied state
         self._bootstrap = ""  # peer id whose DHT our outer process joined (or ours)
 
+    @classmethod
+    def for_node(
+        cls,
+        cfg: NodeConfig,
+        worker: TorchWorker,
+        compute: StageCompute,
+        peers: PeerView,
+        run: RunInfo,
+        *,
+        snapshot: Callable[[], Snapshot],
+        on_state: OnState,
+        announce_dht: Callable[[list[str]], None],
+        events: EventLog | None = None,
+    ) -> OuterLoop:
+        """The outer loop with a node's settings."""
+        return cls(
+            worker, compute, peers, run=run, config=outer_config(cfg),
+            every_steps=cfg.outer_every_steps, tokens_per_step=cfg.inner_batch_tokens,
+            snapshot=snapshot, on_state=on_state, announce_dht=announce_dht,
+            checkpoint_dir=cfg.checkpoint_dir, events=events,
+        )  # fmt: skip
+
     def round_target(self) -> int:
         """Tokens a full round gathers: every replica of the stage trains `every_steps`
         inner steps (the participation rule of docs/outer-loop.md)."""

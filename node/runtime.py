@@ -28,14 +28,13 @@ from node.coordinator_client import CoordinatorClient, CoordinatorError, Coordin
 from node.drain import Drain
 from node.events import EventLog
 from node.lease_pool import LeasePool, Snapshot
-from node.model import preset
-from node.outer_loop import OuterLoop, outer_config
+from node.outer_loop import OuterLoop
 from node.p2p.transport import Transport
 from node.peer_view import PeerView
 from node.pipeline_hop import PipelineHop
 from node.routing import Router
 from node.stage0_driver import Stage0Driver
-from node.stage_compute import InnerConfig, StageCompute, throughput_probe
+from node.stage_compute import StageCompute, build_stage_compute
 from node.state_server import StateServer
 from node.worker import TorchWorker
 from protocol.control import HeartbeatReply, JoinReply, JoinRequest
@@ -128,9 +127,18 @@ class Node:
                 await self._build_stage(hop)
                 await self._refresh_members(peers)
                 if self.stage == 0:
-                    self.driver = self._stage0_driver(hop)
+                    self.driver = Stage0Driver.for_node(
+                        self.cfg, self.pool, hop, self.client, self.drain_state,
+                        seed=self.transport.peer_id, events=self.events,
+                    )  # fmt: skip
+                    self.driver.on_out_of_work = self._request_early_round
                 if self.cfg.outer_every_steps > 0:
-                    self.outer = self._outer_loop(peers)
+                    assert self.compute is not None
+                    self.outer = OuterLoop.for_node(
+                        self.cfg, self.worker, self.compute, peers, run,
+                        snapshot=self.pool.snapshot, on_state=self._on_global_state,
+                        announce_dht=self.client.announce_dht, events=self.events,
+                    )  # fmt: skip
                     await self.outer.start()
                     nursery.start_soon(self.outer.run)
                 nursery.start_soon(peers.follow, self.client, max(1.0, run.heartbeat_interval_s))
@@ -159,22 +167,10 @@ class Node:
     async def _build_stage(self, hop: PipelineHop) -> None:
         assert self.join is not None
         run = self.join.run
-        model_cfg = preset(run.model_preset).replace(seed=run.seed)
-        inner = InnerConfig(
-            lr=self.cfg.lr,
-            warmup_steps=self.cfg.warmup_steps,
-            weight_decay=self.cfg.weight_decay,
-            inner_batch_tokens=self.cfg.inner_batch_tokens,
-            cache_size=self.cfg.activation_cache,
-            # twice what this node's own micro-batches need
-            cache_tokens=2 * self.cfg.activation_cache * self.cfg.micro_batch * self.cfg.seq_len,
+        compute, self.throughput = await self.worker.run(
+            build_stage_compute, run, self.stage, self.cfg, self.device
         )
-        compute = self.compute = await self.worker.run(
-            StageCompute, model_cfg, self.stage, run.n_stages, run.codec, inner, self.device
-        )
-        self.throughput = await self.worker.run(
-            throughput_probe, compute, self.cfg.micro_batch, self.cfg.seq_len
-        )
+        self.compute = compute
         hop.stage_built(compute)
         self.state_server = StateServer(
             self.worker,
@@ -201,27 +197,9 @@ class Node:
             # heartbeat loop re-joins); the membership loop retries.
             log.warning("node: membership refresh failed: %s", exc)
 
-    def _stage0_driver(self, hop: PipelineHop) -> Stage0Driver:
-        driver = Stage0Driver(
-            self.pool, hop, self.client, self.drain_state,
-            micro_batch=self.cfg.micro_batch, in_flight=self.cfg.in_flight,
-            max_attempts=self.cfg.max_attempts, shuffle=self.cfg.shuffle_windows,
-            max_tokens=self.cfg.max_tokens, seed=self.transport.peer_id, events=self.events,
-        )  # fmt: skip
-        # With an outer loop, only the round that covers trained windows commits them.
-        driver.commit_on_finish = self.cfg.outer_every_steps == 0
-        driver.on_out_of_work = lambda: self.outer.request_early_round() if self.outer else None
-        return driver
-
-    def _outer_loop(self, peers: PeerView) -> OuterLoop:
-        assert self.join is not None and self.compute is not None
-        return OuterLoop(
-            self.worker, self.compute, peers, run=self.join.run, config=outer_config(self.cfg),
-            every_steps=self.cfg.outer_every_steps, tokens_per_step=self.cfg.inner_batch_tokens,
-            snapshot=self.pool.snapshot, on_state=self._on_global_state,
-            announce_dht=self.client.announce_dht, checkpoint_dir=self.cfg.checkpoint_dir,
-            events=self.events,
-        )  # fmt: skip
+    def _request_early_round(self) -> None:
+        if self.outer is not None:
+            self.outer.request_early_round()
 
     async def _on_global_state(self, state: GlobalState, covered: Snapshot | None) -> None:
         """A state was loaded (`covered` None) or a round applied: persist it, serve it,

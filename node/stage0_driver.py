@@ -23,6 +23,7 @@ import numpy as np
 import trio
 
 from node import metrics
+from node.config import NodeConfig
 from node.coordinator_client import (
     CoordinatorClient,
     CoordinatorError,
@@ -72,6 +73,28 @@ class Stage0Driver:
         self.on_out_of_work: Callable[[], None] | None = None
         self.losses: list[float] = []  # the last 32 micro-batch losses
         self._commit_lock = trio.Lock()  # commits go out one at a time, in order
+
+    @classmethod
+    def for_node(
+        cls,
+        cfg: NodeConfig,
+        pool: LeasePool,
+        hop: PipelineHop,
+        client: CoordinatorClient,
+        drain: Drain,
+        *,
+        seed: str,
+        events: EventLog | None = None,
+    ) -> Stage0Driver:
+        """The driver with a node's settings; with an outer loop, only the round that
+        covers trained windows commits them."""
+        driver = cls(
+            pool, hop, client, drain, micro_batch=cfg.micro_batch, in_flight=cfg.in_flight,
+            max_attempts=cfg.max_attempts, shuffle=cfg.shuffle_windows,
+            max_tokens=cfg.max_tokens, seed=seed, events=events,
+        )  # fmt: skip
+        driver.commit_on_finish = cfg.outer_every_steps == 0
+        return driver
 
     @property
     def loss(self) -> float | None:

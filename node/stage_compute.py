@@ -31,8 +31,10 @@ import numpy as np
 import torch
 
 from node.compression import BoundaryCodec
+from node.config import NodeConfig
 from node.inner_step import inner_step
-from node.model import ModelConfig, build_stage, param_groups
+from node.model import ModelConfig, build_stage, param_groups, preset
+from protocol.control import RunInfo
 from protocol.tensors import EncodedTensor
 
 log = logging.getLogger(__name__)
@@ -218,3 +220,22 @@ def throughput_probe(compute: StageCompute, micro_batch: int, seq_len: int) -> f
     out.backward()
     compute.opt.zero_grad(set_to_none=True)
     return micro_batch * seq_len / max(time.perf_counter() - t0, 1e-6)
+
+
+def build_stage_compute(
+    run: RunInfo, stage: int, cfg: NodeConfig, device: str
+) -> tuple[StageCompute, float]:
+    """This node's stage of `run` with its inner settings, and the stage's measured
+    tokens/s (call on the torch worker: it builds and probes the model)."""
+    inner = InnerConfig(
+        lr=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        inner_batch_tokens=cfg.inner_batch_tokens,
+        cache_size=cfg.activation_cache,
+        # twice what this node's own micro-batches need
+        cache_tokens=2 * cfg.activation_cache * cfg.micro_batch * cfg.seq_len,
+    )
+    model_cfg = preset(run.model_preset).replace(seed=run.seed)
+    compute = StageCompute(model_cfg, stage, run.n_stages, run.codec, inner, device)
+    return compute, throughput_probe(compute, cfg.micro_batch, cfg.seq_len)
