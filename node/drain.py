@@ -12,12 +12,15 @@ import math
 
 import trio
 
+from node.events import EventLog
+
 log = logging.getLogger(__name__)
 
 
 class Drain:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, events: EventLog | None = None) -> None:
         self.timeout_s = timeout_s  # seconds from the start to give up in-flight work
+        self.events = events or EventLog()
         self.deadline = math.inf  # trio time by which in-flight work is given up
         self._event = trio.Event()
 
@@ -30,6 +33,7 @@ class Drain:
             log.info("node: draining (finishing in-flight micro-batches, then leaving)%s",
                      f": {why}" if why else "")  # fmt: skip
             self.deadline = trio.current_time() + self.timeout_s
+            self.events.emit("draining", reason=why or "asked")
             self._event.set()
 
     async def wait(self) -> None:

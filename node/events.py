@@ -8,6 +8,7 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
 - `forward_failed`: `mb_id`, `peer`, `error` (a micro-batch attempt through `peer` failed)
 - `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
 - `round_applied`: `round`, `group_size`, `tokens`, `seconds`, `rebased`
+- `draining`: `reason` (signal, coordinator, deadline, max_tokens, moved, ...)
 - `left`: `tokens_trained`, `tokens_committed`
 
 Writing never raises: an event file that cannot be written costs the events, not the node.
@@ -23,7 +24,9 @@ from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
-EVENT_NAMES = frozenset({"joined", "forward_failed", "lease_committed", "round_applied", "left"})
+EVENT_NAMES = frozenset(
+    {"joined", "forward_failed", "lease_committed", "round_applied", "draining", "left"}
+)
 
 
 class EventLog:

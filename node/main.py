@@ -152,7 +152,7 @@ async def _run(cfg: NodeConfig, key: NodeKey, device: str) -> int:
                             os._exit(130)
                         log.info("%s: draining; press Ctrl-C again to exit at once",
                                  signal.Signals(signum).name)  # fmt: skip
-                        node.drain()
+                        node.drain(signal.Signals(signum).name)
 
             nursery.start_soon(signals)
             await node.run()

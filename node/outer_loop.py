@@ -22,8 +22,9 @@ from node.checkpoint import GlobalState, resume_state
 from node.config import NodeConfig
 from node.diloco import DilocoConfig
 from node.events import EventLog
+from node.lease_pool import Snapshot
 from node.outer_link import OuterConfig, OuterLinkError
-from node.outer_rounds import OuterRounds, Snapshot
+from node.outer_rounds import OuterRounds
 from node.peer_view import PeerView
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker

@@ -24,6 +24,7 @@ from node import metrics
 from node.checkpoint import GlobalState
 from node.diloco import merge_local_progress
 from node.events import EventLog
+from node.lease_pool import Snapshot  # lease id -> commit point a round covers
 from node.outer_link import OuterConfig, OuterLink, OuterLinkError, RoundResult
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker
@@ -31,7 +32,6 @@ from node.worker import TorchWorker
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # seconds between checks for a finished round
-Snapshot = dict[int, int]  # lease id -> commit point covered by the round's snapshot
 OnApplied = Callable[[GlobalState, Snapshot], Awaitable[None]]
 
 

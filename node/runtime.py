@@ -59,7 +59,7 @@ class Node:
         self.device = device
         self.worker = TorchWorker()
         self.events = EventLog(cfg.events_file)
-        self.drain_state = Drain(cfg.drain_timeout_s)
+        self.drain_state = Drain(cfg.drain_timeout_s, self.events)
         self.pool = LeasePool(
             seq_len=cfg.seq_len, max_open=cfg.lease_pool, shard_cache=max(4, 2 * cfg.lease_pool)
         )
@@ -84,9 +84,9 @@ class Node:
     def draining(self) -> bool:
         return self.drain_state.started
 
-    def drain(self) -> None:
+    def drain(self, why: str = "") -> None:
         """Begin a graceful exit: finish in-flight work, commit, release, leave."""
-        self.drain_state.start()
+        self.drain_state.start(why)
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.join = await self.client.join(
@@ -236,8 +236,7 @@ class Node:
         # Leave with enough time to finish in-flight work before the walltime ends.
         margin = self.cfg.drain_timeout_s + 2 * self.cfg.request_timeout_s
         await trio.sleep(max(0.0, self.cfg.deadline - margin - time.time()))
-        log.info("node: deadline in %.0f s: draining", self.cfg.deadline - time.time())
-        self.drain()
+        self.drain_state.start(f"deadline in {self.cfg.deadline - time.time():.0f} s")
 
     # --- coordinator loops -------------------------------------------------------------
 
@@ -264,4 +263,4 @@ class Node:
         self.pool.fence_all()
         if joined.stage != self.stage:
             log.warning("node: re-joined on stage %d, not %d; leaving", joined.stage, self.stage)
-            self.drain()
+            self.drain_state.start("moved to another stage")
