@@ -89,8 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--events", type=Path, default=None, metavar="FILE",
-        help="append structured events (joined, round applied, lease committed, left) to"
-        " FILE as JSON lines, for programs (default: none)",
+        help="append structured events (joined, lease committed, round applied, draining,"
+        " left, ...) to FILE as JSON lines, for programs (default: none)",
     )  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p.parse_args(argv)
