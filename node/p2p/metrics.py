@@ -19,3 +19,9 @@ CUT_STREAMS = Counter(
     "agora_p2p_cut_streams_total", "Inbound streams that ended or reset mid-request"
 )
 SERVED = Counter("agora_p2p_served_total", "Inbound requests answered")
+RELAY_RESERVATIONS = Counter(
+    "agora_p2p_relay_reservations_total", "Slots reserved on a circuit relay (new, not renewed)"
+)
+RELAY_CIRCUITS = Counter(
+    "agora_p2p_relay_circuits_total", "Outbound connections opened through a circuit relay"
+)

@@ -38,6 +38,8 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from node.p2p import metrics
+
 log = logging.getLogger(__name__)
 
 CIRCUIT = "/p2p-circuit"
@@ -170,6 +172,7 @@ class RelaySupport:
                 backoff = min(2 * backoff, MAX_BACKOFF_S)
                 continue
             if addr not in self._reserved:
+                metrics.RELAY_RESERVATIONS.inc()
                 log.info("relay: reserved a slot on %s for %.0f s; reachable at %s",
                          addr, expires - time.time(), f"{addr}{CIRCUIT}/p2p/<self>")  # fmt: skip
             self._reserved[addr] = expires
@@ -237,6 +240,7 @@ class RelaySupport:
                     # after the circuit came up: later requests reuse it without a dial.
                     connected = self._connected(pid)
                     if connected:
+                        metrics.RELAY_CIRCUITS.inc()
                         log.info("relay: connected to %s through %s", peer_id, ma)
                 if connected:
                     return
