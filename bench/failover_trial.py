@@ -1,14 +1,12 @@
 """The trials of `agora bench failover` (see `bench.failover` for what is measured and
 why): `Bench` runs the swarm, kills one replica per trial, and times the re-route and
-the lease re-issue from the coordinator's audit log, the nodes' event files and the
-coordinator's log."""
+the lease re-issue from the coordinator's audit log and status and the nodes' event
+files."""
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import math
-import re
 import signal
 import sqlite3
 import time
@@ -16,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import trio
 
 from coordinator.journal import AuditEvent
 from protocol.identity import NodeKey
@@ -23,8 +22,7 @@ from swarmlab.procs import Proc
 from swarmlab.swarm import LocalSwarm
 
 STAGES = 2
-POLL_S = 0.2  # seconds between polls of the audit log, node events and the coordinator log
-_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # coordinator log
+POLL_S = 0.2  # seconds between polls of the audit log, node events and the coordinator status
 TIMES = (  # (JSON key, table label: seconds from the kill to ...)
     ("reroute_detect_seconds", "a request via the victim fails"),
     ("reroute_seconds", "first re-routed micro-batch done"),
@@ -41,13 +39,6 @@ REPLACE_WAIT_S = 45.0  # seconds a replacement may take to get work before it is
 
 class Interrupted(Exception):
     """A node we did not kill exited: the measurement cannot go on."""
-
-
-def _log_time(line: str) -> float | None:
-    m = _LOG_TIME.match(line)
-    if not m:
-        return None
-    return dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def _audit_since(db: Path, since: float) -> list[AuditEvent]:
@@ -196,15 +187,14 @@ class Bench:
                 raise TimeoutError(f"cannot scrape the metrics of {n}")
         return total
 
-    def lapsed_at(self, peer: str, since: float) -> float | None:
-        """When the coordinator logged the peer as lapsed (after `since`), from its log."""
-        coord = self.swarm.coordinator
-        assert coord is not None
-        needle = f"peer {peer} lapsed"
-        for line in coord.log.read_text(errors="replace").splitlines():
-            if needle in line and (t := _log_time(line)) is not None and t >= since - 1.0:
-                return t
-        return None
+    def dropped(self, stage: int, before: int) -> bool:
+        """The coordinator's status shows fewer than `before` peers on `stage` (the dead
+        one was dropped); False if it did not answer in time."""
+        try:
+            status = self.swarm.status(timeout_s=5.0)
+        except (OSError, TimeoutError, trio.TooSlowError):
+            return False
+        return any(s.stage == stage and s.peers < before for s in status.stages)
 
     def failures(self, names: list[str], victim: str, since: float) -> list[dict[str, Any]]:
         """Stage-0 micro-batches that failed via `victim` after `since` (their
@@ -237,8 +227,8 @@ class Bench:
             self.check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"re-route trial: no outcome in {self.args.trial_timeout}s")
-            if lapsed is None:
-                lapsed = self.lapsed_at(vid, t_kill)
+            if lapsed is None and self.dropped(1, before=len(self.names[1])):
+                lapsed = time.time()  # within one poll of the drop
             fails = self.failures(stage0, vid, t_kill)
             done = lapsed is not None and time.time() > lapsed + settle
             if done:
