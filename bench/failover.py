@@ -45,10 +45,9 @@ node is replaced by a fresh node on its stage, which must train before the next 
    so a survivor would get its own shard back first).
 
 Times are wall-clock seconds measured by this process (kill) and by the coordinator
-and nodes (audit records, node events, the coordinator's status) on the same machine. At the
-end every node is drained,
-the coordinator stopped and `agora audit` replays the lease log: lost and duplicated
-ranges must be 0. Exit 0 iff every trial measured and the audit is clean.
+and nodes (audit records, node events, the coordinator's status) on the same machine.
+At the end every node is drained, the coordinator stopped and `agora audit` replays the
+lease log: lost and duplicated ranges must be 0. Exit 0 iff every trial measured and the audit is clean.
 """
 
 from __future__ import annotations
