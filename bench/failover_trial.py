@@ -17,6 +17,7 @@ import psutil
 import trio
 
 from coordinator.journal import AuditEvent
+from node.coordinator_client import CoordinatorUnavailable
 from protocol.identity import NodeKey
 from swarmlab.procs import Proc
 from swarmlab.swarm import LocalSwarm
@@ -192,7 +193,7 @@ class Bench:
         one was dropped); False if it did not answer in time."""
         try:
             status = self.swarm.status(timeout_s=5.0)
-        except (OSError, TimeoutError, trio.TooSlowError):
+        except (OSError, TimeoutError, trio.TooSlowError, CoordinatorUnavailable):
             return False
         return any(s.stage == stage and s.peers < before for s in status.stages)
 
