@@ -219,6 +219,7 @@ class Bench:
         stage0 = list(self.names[0])
         vid = self.peer_id(victim)
         before = self.retried(stage0)
+        members = len(self.names[1])  # stage-1 peers the coordinator lists before the kill
         t_kill = self.kill(victim)
         self.say(f"re-route: SIGKILLed stage-1 {victim}; {survivor} survives")
         deadline = time.monotonic() + self.args.trial_timeout
@@ -228,7 +229,7 @@ class Bench:
             self.check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"re-route trial: no outcome in {self.args.trial_timeout}s")
-            if lapsed is None and self.dropped(1, before=len(self.names[1])):
+            if lapsed is None and self.dropped(1, before=members):
                 lapsed = time.time()  # within one poll of the drop
             fails = self.failures(stage0, vid, t_kill)
             done = lapsed is not None and time.time() > lapsed + settle
