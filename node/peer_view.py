@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 
 import trio
-from multiaddr import Multiaddr
 
 from node.coordinator_client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from node.p2p.transport import Transport
 from node.routing import Router
+from protocol.addrs import multiaddr_problem
 from protocol.control import PeerInfo
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class PeerView:
         """Adopt the coordinator's view at `version`, without the entries that do not parse."""
         valid = {}
         for peer_id, peer in peers.items():
-            problem = self._admit(peer, new=peer_id not in self.members)
+            problem = self._admit(peer)
             if problem is None:
                 valid[peer_id] = peer
             elif self.rejected.get(peer_id) != problem:
@@ -82,16 +82,22 @@ class PeerView:
                 version, len(after), self.stage + 1, len(after - before), len(before - after),
             )  # fmt: skip
 
-    def _admit(self, peer: PeerInfo, *, new: bool) -> str | None:
-        """Check a member's DHT addresses (they may change) and tell the transport where a
-        new member listens; why it cannot be admitted, if it cannot."""
-        try:
-            for addr in peer.dht_addrs:
-                Multiaddr(addr)
-            if new and peer.addrs:
+    def _admit(self, peer: PeerInfo) -> str | None:
+        """Why a member's entry cannot be admitted, or None. Entries are checked when they
+        are new or changed (a refresh repeats the whole view): the DHT addresses by the
+        coordinator's own rule, and the listen addresses by the transport, which learns
+        them here."""
+        known = self.members.get(peer.peer_id)
+        if known is not None and known.dht_addrs == peer.dht_addrs:
+            return None
+        for addr in peer.dht_addrs:
+            if (problem := multiaddr_problem(addr)) is not None:
+                return f"bad DHT address: {problem}"
+        if known is None and peer.addrs:
+            try:
                 self.transport.add_peer_addrs(peer.peer_id, peer.addrs)
-        except ValueError as exc:
-            return f"bad address: {str(exc)[:200]}"
+            except ValueError as exc:
+                return f"bad address: {str(exc)[:200]}"
         return None
 
     def _on_stage(self, stage: int) -> list[PeerInfo]:

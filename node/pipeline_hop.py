@@ -27,7 +27,6 @@ from node import metrics
 from node.events import EventLog
 from node.p2p.transport import Transport, TransportError
 from node.peer_view import PeerView
-from node.routing import Router
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker
 from protocol.errors import ProtocolError
@@ -49,14 +48,13 @@ class PipelineHop:
         worker: TorchWorker,
         *,
         request_timeout_s: float,  # seconds a downstream stage has for one micro-batch
-        router: Router | None = None,
         events: EventLog | None = None,
     ) -> None:
         self.transport = transport
         self.peers = peers
         self.worker = worker
         self.request_timeout_s = request_timeout_s
-        self.router = router or peers.router
+        self.router = peers.router  # the view forgets the peers that left
         self.events = events or EventLog()
         self.compute: StageCompute | None = None  # set once the stage is built
         self.built = trio.Event()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -71,7 +72,7 @@ class Stage0Driver:
         # called when no lease was granted and no window is left (e.g. to start an outer
         # round early, whose commits free the coordinator's per-peer lease cap)
         self.on_out_of_work: Callable[[], None] | None = None
-        self.losses: list[float] = []  # the last 32 micro-batch losses
+        self.losses: deque[float] = deque(maxlen=32)  # the last micro-batch losses
         self._commit_lock = trio.Lock()  # commits go out one at a time, in order
 
     @classmethod
@@ -172,7 +173,7 @@ class Stage0Driver:
             loss = await self.hop.run_microbatch(mb_id, rows, give_up)
             if loss is None:  # fenced or draining: not finished, not committed
                 return
-            self.losses = [*self.losses[-31:], loss]
+            self.losses.append(loss)
             metrics.LOSS.set(self.loss or loss)  # mean of the last 32
             metrics.MICROBATCHES.labels("done").inc()
             self.pool.finish(batch)

@@ -304,9 +304,14 @@ def scripted(tmp_path: Path) -> Iterator[tuple[OuterLink, socket.socket]]:
     paths = [tmp_path / name for name in ("snap", "result", "m")]
     for path in paths:
         path.write_bytes(bytes(4 * 8))
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # a stand-in for the outer process's pid: it waits on its stdin, which teardown closes
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     link = OuterLink(proc, ours, *paths, numel=8)
     yield link, peer
+    assert proc.stdin is not None
+    proc.stdin.close()
     proc.kill()
     link.close(timeout=5.0)
     peer.close()

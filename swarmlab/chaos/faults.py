@@ -24,8 +24,7 @@ RESTART_TIMEOUT_S = 240.0  # seconds a restarted coordinator may take to serve (
 def kill_node(run: Target, f: Fault) -> None:
     name = run.victim(f.pick)
     if name is None:
-        run.skipped[f.kind] += 1
-        run.note("skip", fault=f.kind)
+        run.skip(f.kind)
         return
     proc = run.swarm.nodes[name]
     with run.lock:
@@ -42,8 +41,7 @@ def kill_node(run: Target, f: Fault) -> None:
 def zombie(run: Target, f: Fault) -> None:
     name = run.victim(f.pick)
     if name is None:
-        run.skipped[f.kind] += 1
-        run.note("skip", fault=f.kind)
+        run.skip(f.kind)
         return
     proc = run.swarm.nodes[name]
     family = [proc.popen.pid, *children(proc.popen.pid)]
@@ -66,8 +64,7 @@ def kill_coordinator(run: Target, f: Fault) -> None:
     # loaded machine, and a second kill must hit the restarted process, not the dead
     # one (nor start a second coordinator on the same port).
     if not run.coordinator_busy.acquire(blocking=False):
-        run.skipped[f.kind] += 1
-        run.note("skip", fault=f.kind, why="a coordinator restart is in progress")
+        run.skip(f.kind, why="a coordinator restart is in progress")
         return
     try:
         with run.lock:
@@ -92,8 +89,7 @@ def rogue(run: Target, f: Fault, attacks: str) -> None:
     healthy = run.healthy()
     stage1 = sorted(n for n, s in healthy.items() if s == 1)
     if not stage1:
-        run.skipped[f.kind] += 1
-        run.note("skip", fault=f.kind)
+        run.skip(f.kind)
         return
     name = stage1[int(f.pick * len(stage1))]
     peer = NodeKey((run.workdir / f"{name}.key").read_bytes()).peer_id

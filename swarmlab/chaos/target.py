@@ -77,6 +77,11 @@ class Target:
             ]
         return {n: int(p.stage or 0) for n, p in cands if self.trained(n)}
 
+    def skip(self, kind: str, **why: Any) -> None:
+        """A fault that found nothing to act on: counted and noted, not injected."""
+        self.skipped[kind] += 1
+        self.note("skip", fault=kind, **why)
+
     def victim(self, pick: float) -> str | None:
         healthy = self.healthy()
         per_stage: dict[int, int] = {}
