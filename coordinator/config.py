@@ -1,8 +1,9 @@
 """The coordinator's run configuration: a dataclass loaded from TOML, then CLI overrides.
 
-Secrets (`join_token`, `admin_token`) may come from the environment instead
-(`AGORA_JOIN_TOKEN`, `AGORA_ADMIN_TOKEN`) so they stay off command lines; they are
-never printed (`repr=False`).
+Secrets (`join_token`, `admin_token`, `launcher_token`) may come from the environment
+instead (`AGORA_JOIN_TOKEN`, `AGORA_ADMIN_TOKEN`, `AGORA_LAUNCHER_TOKEN`) so they stay off
+command lines, and the launcher token from a file (`launcher_token_file`); they are never
+printed (`repr=False`).
 
 Example `run.toml` (every key optional; flat, or under a `[coordinator]` table):
 
@@ -86,6 +87,11 @@ class CoordinatorConfig:
     rate_burst: float = 200.0  # request burst per key
     clock_skew_s: float = 60.0  # seconds of signature timestamp tolerance
     verify_threads: int = 2  # threads checking request signatures off the event loop (0: inline)
+    # facility reports from `agora launch` (coordinator/facilities.py)
+    launcher_token: str = dataclasses.field(default="", repr=False)  # empty: reports refused
+    launcher_token_file: str | None = None  # file whose first line is the launcher token
+    facility_stale_s: float = 600.0  # seconds after which a silent facility's report is dropped
+    max_facilities: int = 64  # facilities reporting at once (count); a new one past it is refused
 
     def __post_init__(self) -> None:
         self.validate()
@@ -152,6 +158,25 @@ class CoordinatorConfig:
             0 <= self.verify_threads <= 64,
             f"verify_threads must be in [0, 64]: {self.verify_threads}",
         )
+        need(
+            not self.launcher_token or len(self.launcher_token) >= 16,
+            "launcher_token must be at least 16 characters",
+        )
+        need(
+            not self.launcher_token or self.launcher_token != self.join_token,
+            "launcher_token must differ from join_token (every member knows the join token)",
+        )
+        need(self.facility_stale_s > 0, "facility_stale_s must be > 0")
+        need(self.max_facilities >= 1, "max_facilities must be >= 1")
+
+
+def read_token_file(path: Path) -> str:
+    """The first line of `path`, stripped; `ValueError` if it holds no token."""
+    lines = path.expanduser().read_text().splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ValueError(f"{path} holds no token")
+    return token
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> CoordinatorConfig:
@@ -161,10 +186,18 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CoordinatorConf
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
         values.update(data.get("coordinator", data))
-    for key, env in (("join_token", "AGORA_JOIN_TOKEN"), ("admin_token", "AGORA_ADMIN_TOKEN")):
+    for key, env in (
+        ("join_token", "AGORA_JOIN_TOKEN"),
+        ("admin_token", "AGORA_ADMIN_TOKEN"),
+        ("launcher_token", "AGORA_LAUNCHER_TOKEN"),
+    ):
         if os.environ.get(env):
             values[key] = os.environ[env]
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if values.get("launcher_token_file"):
+        if values.get("launcher_token"):
+            raise ValueError("set launcher_token or launcher_token_file, not both")
+        values["launcher_token"] = read_token_file(Path(values["launcher_token_file"]))
     known = {f.name for f in dataclasses.fields(CoordinatorConfig)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -21,6 +21,7 @@ The policy, in words:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hmac
 import logging
@@ -130,29 +131,58 @@ def plan(
 
 class FacilityBook:
     """Soft state: the latest report of each facility (launchers re-report every poll, so
-    nothing here needs to survive a coordinator restart)."""
+    nothing here needs to survive a coordinator restart).
+
+    A report moves jobs on real clusters (a low target makes launchers cancel pending
+    jobs), so it needs the run's launcher token, a credential apart from the join token;
+    with none configured every report is refused. Reports older than `stale_s` are
+    dropped, and at most `max_facilities` facilities are held."""
 
     def __init__(self, policy: PlacementPolicy, cfg: Any) -> None:
         self.policy = policy
-        self.cfg = cfg  # CoordinatorConfig: auth, join_token, allowlist
+        self.cfg = cfg  # CoordinatorConfig: auth, join_token, allowlist, launcher_token
         self.reports: dict[str, tuple[FacilityReport, str, float]] = {}  # name -> (r, owner, t)
+        self.refused: collections.Counter[str] = collections.Counter()  # by error code
 
     def fresh(self, now: float) -> dict[str, FacilityReport]:
         return {n: r for n, (r, _, t) in self.reports.items() if now - t <= self.policy.stale_s}
 
+    def prune(self, now: float) -> int:
+        """Drop the reports of facilities silent for longer than `stale_s`; returns how many."""
+        stale = [n for n, (_, _, t) in self.reports.items() if now - t > self.policy.stale_s]
+        for name in stale:
+            log.info("facility %s silent for %.0f s: dropped", name, now - self.reports[name][2])
+            del self.reports[name]
+        return len(stale)
+
+    def _refuse(self, code: str, detail: str) -> c.ErrorReply:
+        self.refused[code] += 1
+        return c.ErrorReply(code=code, detail=detail)
+
     def handle(self, peer_id: str, report: FacilityReport, now: float) -> Message:
         cfg = self.cfg
+        if not cfg.launcher_token:
+            return self._refuse(
+                "unauthorized", "this coordinator takes no facility reports (no launcher_token)"
+            )
+        if not hmac.compare_digest(report.launcher_token.encode(), cfg.launcher_token.encode()):
+            log.debug("facility report for %r refused: bad launcher token", report.facility)
+            return self._refuse("unauthorized", "facility reports need the run's launcher token")
         if cfg.auth == "token" and not hmac.compare_digest(
             report.join_token.encode(), cfg.join_token.encode()
         ):
-            return c.ErrorReply(code="unauthorized", detail="this run needs a valid join token")
+            return self._refuse("unauthorized", "this run needs a valid join token")
         if cfg.auth == "allowlist" and peer_id not in set(cfg.allowlist):
-            return c.ErrorReply(code="unauthorized", detail="launcher key not on the allowlist")
+            return self._refuse("unauthorized", "launcher key not on the allowlist")
+        self.prune(now)
         old = self.reports.get(report.facility)
-        if old is not None and old[1] != peer_id and now - old[2] <= self.policy.stale_s:
-            return c.ErrorReply(
-                code="conflict",
-                detail=f"facility {report.facility!r} is reported by another launcher key",
+        if old is not None and old[1] != peer_id:
+            return self._refuse(
+                "conflict", f"facility {report.facility!r} is reported by another launcher key"
+            )
+        if old is None and len(self.reports) >= cfg.max_facilities:
+            return self._refuse(
+                "too_many", f"this run takes reports from at most {cfg.max_facilities} facilities"
             )
         if old is None:
             log.info(

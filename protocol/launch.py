@@ -1,9 +1,10 @@
 """Messages between `agora launch` (a launcher on a cluster login node) and the
 coordinator: queue-aware placement across facilities (coordinator.facilities).
 
-A launcher signs a `FacilityReport` with its own key (membership is not required; in
-auth mode "token" it must carry the run's join token, in "allowlist" its peer id must be
-listed) every poll interval. The coordinator answers `FacilityPlan`: how many agora-node
+A launcher signs a `FacilityReport` with its own key (membership is not required) every
+poll interval. Every report carries the run's launcher token, a credential apart from the
+join token (a member must not be able to steer placement); in auth mode "token" it also
+carries the join token, in "allowlist" its peer id must be listed. The coordinator answers `FacilityPlan`: how many agora-node
 jobs this facility should have queued or running now. The launcher then submits or
 cancels pending jobs to match, and replaces jobs that ended early.
 """
@@ -41,6 +42,7 @@ class FacilityReport(Message):
     jobs: list[FacilityJob] = bounded(max_len=MAX_JOBS, default_factory=list)
     replaced: int = bounded(ge=0, default=0)  # jobs that ended early so far (failed/preempted)
     join_token: str = bounded(max_len=256, default="")  # for auth mode "token"
+    launcher_token: str = bounded(max_len=256, default="")  # the run's launcher credential
 
 
 @message("facility.plan", version=1)

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import trio
+from coordinator_harness import write_config
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, load_config
 from coordinator.facilities import FacilityBook, PlacementPolicy, job_value, plan
+from node.coordinator_client import CoordinatorClient, CoordinatorError
 from protocol import control as c
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
 from protocol.launch import FacilityJob, FacilityPlan, FacilityReport
+from swarmlab.coordinator import start_coordinator
 
 NOW = 1_000_000.0
 HOUR = 3600.0
@@ -117,21 +124,136 @@ def test_plan_invariants(specs: list[tuple[float, int, int, float]], want: int |
         assert new <= want
 
 
+LAUNCHER_TOKEN = "launcher-credential-0123456789"
+
+
+def signed_by_launcher(r: FacilityReport, **fields: object) -> FacilityReport:
+    """`r` carrying the launcher token (and any other `fields`)."""
+    values = {f: getattr(r, f) for f in r.__dataclass_fields__}
+    return FacilityReport(**{**values, "launcher_token": LAUNCHER_TOKEN, **fields})  # type: ignore[arg-type]
+
+
 def test_book_auth_conflict_and_staleness() -> None:
-    cfg = CoordinatorConfig(auth="token", join_token="s3cret")
+    cfg = CoordinatorConfig(auth="token", join_token="s3cret", launcher_token=LAUNCHER_TOKEN)
     book = FacilityBook(PlacementPolicy(stale_s=100), cfg)
-    r = report("a", wait=0, max_jobs=2)
+    r = signed_by_launcher(report("a", wait=0, max_jobs=2))
     bad = book.handle("launcher-1", r, NOW)
     assert isinstance(bad, c.ErrorReply) and bad.code == "unauthorized"
-    r = FacilityReport(
-        **{**{f: getattr(r, f) for f in r.__dataclass_fields__}, "join_token": "s3cret"}
-    )
+    r = signed_by_launcher(r, join_token="s3cret")
     ok = book.handle("launcher-1", r, NOW)
     assert isinstance(ok, FacilityPlan) and ok.target_jobs == 2
     other = book.handle("launcher-2", r, NOW + 10)
     assert isinstance(other, c.ErrorReply) and other.code == "conflict"
     taken_over = book.handle("launcher-2", r, NOW + 200)  # the first launcher went silent
     assert isinstance(taken_over, FacilityPlan)
+
+
+def test_a_forged_report_is_refused_and_leaves_demand_alone() -> None:
+    """A report claiming 4,096 running jobs would drive demand to zero and make the real
+    launchers cancel their pending jobs: without the launcher token it is refused."""
+    cfg = CoordinatorConfig(launcher_token=LAUNCHER_TOKEN)
+    book = FacilityBook(PlacementPolicy(target_jobs=4), cfg)
+    real = signed_by_launcher(report("real", wait=60, max_jobs=8, pending=4))
+    first = book.handle("launcher", real, NOW)
+    assert isinstance(first, FacilityPlan) and first.target_jobs == 4
+    forged = report("fake", wait=0, max_jobs=4096, running=4096, ends_in=10 * HOUR)
+    for token in ("", "launcher-credential-012345678X", LAUNCHER_TOKEN[:-1]):
+        reply = book.handle("member", signed_by_launcher(forged, launcher_token=token), NOW + 1)
+        assert isinstance(reply, c.ErrorReply) and reply.code == "unauthorized", reply
+        assert "launcher token" in reply.detail
+    assert set(book.reports) == {"real"} and book.refused["unauthorized"] == 3
+    after = book.handle("launcher", real, NOW + 2)
+    assert isinstance(after, FacilityPlan) and after.target_jobs == 4
+    # the same attack with the token would have worked: the credential is what stops it
+    assert targets([forged, real], target_jobs=4)["real"] == 0
+
+
+def test_without_a_launcher_token_configured_every_report_is_refused() -> None:
+    book = FacilityBook(PlacementPolicy(), CoordinatorConfig())
+    for token in ("", LAUNCHER_TOKEN):
+        reply = book.handle("l", signed_by_launcher(report("a", wait=0), launcher_token=token), NOW)
+        assert isinstance(reply, c.ErrorReply) and reply.code == "unauthorized"
+        assert "no launcher_token" in reply.detail
+    assert book.reports == {}
+
+
+def test_stale_reports_are_pruned() -> None:
+    cfg = CoordinatorConfig(launcher_token=LAUNCHER_TOKEN, facility_stale_s=100)
+    book = FacilityBook(PlacementPolicy.from_config(cfg), cfg)
+    assert book.policy.stale_s == 100
+    assert isinstance(
+        book.handle("l1", signed_by_launcher(report("old", wait=0)), NOW), FacilityPlan
+    )
+    assert isinstance(
+        book.handle("l2", signed_by_launcher(report("new", wait=0)), NOW + 50), FacilityPlan
+    )
+    assert set(book.reports) == {"old", "new"}
+    book.handle("l2", signed_by_launcher(report("new", wait=0)), NOW + 101)
+    assert set(book.reports) == {"new"}  # dropped, not only ignored
+    assert book.prune(NOW + 500) == 1 and book.reports == {}
+
+
+def test_the_number_of_facilities_is_capped() -> None:
+    cfg = CoordinatorConfig(launcher_token=LAUNCHER_TOKEN, max_facilities=2, facility_stale_s=100)
+    book = FacilityBook(PlacementPolicy.from_config(cfg), cfg)
+    for i, name in enumerate(("a", "b")):
+        assert isinstance(
+            book.handle(f"l{i}", signed_by_launcher(report(name, wait=0)), NOW), FacilityPlan
+        )
+    full = book.handle("l2", signed_by_launcher(report("c", wait=0)), NOW + 1)
+    assert isinstance(full, c.ErrorReply) and full.code == "too_many"
+    # a known facility still reports; once the others go silent a new one gets in
+    assert isinstance(
+        book.handle("l0", signed_by_launcher(report("a", wait=0)), NOW + 90), FacilityPlan
+    )
+    assert isinstance(
+        book.handle("l2", signed_by_launcher(report("c", wait=0)), NOW + 150), FacilityPlan
+    )
+    assert set(book.reports) == {"a", "c"}
+
+
+def test_launcher_token_config_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="at least 16"):
+        CoordinatorConfig(launcher_token="short")
+    with pytest.raises(ValueError, match="differ from join_token"):
+        CoordinatorConfig(auth="token", join_token=LAUNCHER_TOKEN, launcher_token=LAUNCHER_TOKEN)
+    token_file = tmp_path / "launcher.token"
+    token_file.write_text(LAUNCHER_TOKEN + "\n")
+    assert (
+        load_config(None, {"launcher_token_file": str(token_file)}).launcher_token == LAUNCHER_TOKEN
+    )
+    monkeypatch.setenv("AGORA_LAUNCHER_TOKEN", LAUNCHER_TOKEN)
+    assert load_config(None, {}).launcher_token == LAUNCHER_TOKEN
+    assert LAUNCHER_TOKEN not in repr(load_config(None, {}))
+    with pytest.raises(ValueError, match="not both"):
+        load_config(None, {"launcher_token_file": str(token_file)})
+
+
+def test_a_real_coordinator_refuses_forged_reports(tmp_path: Path) -> None:
+    """Against a coordinator process: the forged report is refused, the launcher's is
+    planned, and the forged one did not move the plan."""
+    cfg = write_config(tmp_path, launcher_token=LAUNCHER_TOKEN)
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
+    real = signed_by_launcher(report("real", wait=60, max_jobs=4, pending=4))
+    forged = report("fake", wait=0, max_jobs=4096, running=4096, ends_in=10 * HOUR)
+
+    async def go() -> None:
+        async with (
+            CoordinatorClient("127.0.0.1", coord.port, NodeKey.generate()) as launcher,
+            CoordinatorClient("127.0.0.1", coord.port, NodeKey.generate()) as attacker,
+        ):
+            first = await launcher.call(real, retry=False)
+            assert isinstance(first, FacilityPlan) and first.target_jobs == 4
+            with pytest.raises(CoordinatorError) as err:
+                await attacker.call(forged, retry=False)
+            assert err.value.code == "unauthorized" and "launcher token" in err.value.detail
+            again = await launcher.call(real, retry=False)
+            assert isinstance(again, FacilityPlan) and again.target_jobs == 4
+
+    try:
+        trio.run(go)
+    finally:
+        assert coord.stop() == 0
 
 
 def test_launch_messages_round_trip_and_reject_bad_values() -> None:

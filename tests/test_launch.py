@@ -4,6 +4,7 @@ output formats (tests/fixtures/{slurm,pbs}); the PBS side has no live server her
 from __future__ import annotations
 
 import datetime as dt
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -128,7 +129,7 @@ def test_pbs_scheduler_over_recorded_commands() -> None:
 
 def test_launch_config_validates_and_finds_the_scripts(tmp_path: Path) -> None:
     base = dict(scheduler="slurm", coordinator="h:7700", facility="lab", partition="p",
-                max_jobs=2, workdir=tmp_path)  # fmt: skip
+                max_jobs=2, workdir=tmp_path, launcher_token="t" * 20)  # fmt: skip
     cfg = LaunchConfig(**base)  # type: ignore[arg-type]
     assert cfg.script == REPO / "deploy/slurm/agora-node.sbatch" and cfg.job_name == "agora-lab"
     assert LaunchConfig(**{**base, "scheduler": "pbs"}).script == REPO / "deploy/pbs/agora-node.pbs"  # type: ignore[arg-type]
@@ -136,6 +137,31 @@ def test_launch_config_validates_and_finds_the_scripts(tmp_path: Path) -> None:
                 {"max_jobs": -1}, {"scheduler": "lsf"}):  # fmt: skip
         with pytest.raises(ValueError):
             LaunchConfig(**{**base, **bad})  # type: ignore[arg-type]
+
+
+def test_the_launcher_token_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    base = dict(scheduler="slurm", coordinator="h:7700", facility="lab", partition="p",
+                max_jobs=2, workdir=tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match="launcher token"):
+        LaunchConfig.load(None, base)
+    token = tmp_path / "launcher.token"
+    token.write_text("from-the-file-0123456789\n")
+    cfg = LaunchConfig.load(None, {**base, "launcher_token": "env", "launcher_token_file": token})
+    assert cfg.launcher_token == "from-the-file-0123456789"
+    assert "from-the-file" not in repr(cfg)
+    empty = tmp_path / "empty.token"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no token"):
+        LaunchConfig.load(None, {**base, "launcher_token_file": empty})
+    # the CLI reads AGORA_LAUNCHER_TOKEN; without it (or a file) it says what is missing
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmlab.cli", "launch", "slurm", "--coordinator", "h:7700",
+         "--facility", "lab", "--partition", "p", "--max-jobs", "1", "--once",
+         "--workdir", str(tmp_path / "w"), "--identity", str(tmp_path / "k")],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "AGORA_LAUNCHER_TOKEN"},
+    )  # fmt: skip
+    assert out.returncode == 2 and "AGORA_LAUNCHER_TOKEN" in out.stderr, out.stderr
 
 
 def test_launcher_is_torch_free_and_helps() -> None:

@@ -25,6 +25,7 @@ from swarmlab.swarm import LocalSwarm
 __all__ = ["slurm"]
 
 REPO = Path(__file__).resolve().parent.parent
+LAUNCHER_TOKEN = "slurm-launcher-credential-0123"
 
 
 def status(swarm: LocalSwarm) -> StatusReply | None:
@@ -43,7 +44,11 @@ def test_launcher_places_jobs_that_train_drain_and_get_replaced(
         preset="tiny",
         stages=2,
         # short jobs: keep less time free before a deadline than the 60 s default
-        run_config={"deadline_margin_s": 20.0, "min_grant_tokens": 256},
+        run_config={
+            "deadline_margin_s": 20.0,
+            "min_grant_tokens": 256,
+            "launcher_token": LAUNCHER_TOKEN,
+        },
     )
     swarm.start_coordinator()
     facility = f"ci{int(time.time()) % 100000}"
@@ -56,6 +61,9 @@ def test_launcher_places_jobs_that_train_drain_and_get_replaced(
     )
     env = child_env()
     env["AGORA_JOIN_TOKEN"] = ""
+    env.pop("AGORA_LAUNCHER_TOKEN", None)
+    token_file = tmp_path / "launcher.token"  # the launcher's credential, off its command line
+    token_file.write_text(LAUNCHER_TOKEN + "\n")
     launcher_log = tmp_path / "launcher.log"
     with launcher_log.open("wb") as fh:
         launcher = subprocess.Popen(
@@ -66,6 +74,7 @@ def test_launcher_places_jobs_that_train_drain_and_get_replaced(
                 "--interval", "2", "--startup", "10",
                 "--workdir", str(tmp_path / "jobs"),
                 "--identity", str(tmp_path / "launcher.key"),
+                "--launcher-token-file", str(token_file),
                 "--node-args", f"--config {node_toml}",
             ],
             stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO,

@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--node-command", help="how a job starts a node (default: this python -m node.main)"
     )
     p.add_argument("--node-args", help='extra agora-node flags, e.g. "--device cuda"')
+    p.add_argument(
+        "--launcher-token-file", type=Path, metavar="FILE",
+        help="the run's launcher token, first line of FILE (or set AGORA_LAUNCHER_TOKEN)",
+    )  # fmt: skip
     p.add_argument("--config", type=Path, help="TOML file with a [launch] table")
     p.add_argument("--once", action="store_true", help="poll once and exit (for cron)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                 "node_command": args.node_command,
                 "node_args": args.node_args,
                 "join_token": os.environ.get("AGORA_JOIN_TOKEN"),
+                "launcher_token": os.environ.get("AGORA_LAUNCHER_TOKEN") or None,
+                "launcher_token_file": args.launcher_token_file,
             },
         )
         cfg.workdir.mkdir(parents=True, exist_ok=True)

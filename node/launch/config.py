@@ -1,5 +1,7 @@
 """`agora launch` configuration: one dataclass, from TOML (`[launch]` table or top level)
-with CLI flags on top."""
+with CLI flags on top. The launcher token (the credential facility reports need) comes
+from `launcher_token_file` or the environment (`AGORA_LAUNCHER_TOKEN`, read by the CLI),
+never from the command line."""
 
 from __future__ import annotations
 
@@ -18,6 +20,15 @@ SCRIPTS = {
     "slurm": REPO / "deploy/slurm/agora-node.sbatch",
     "pbs": REPO / "deploy/pbs/agora-node.pbs",
 }
+
+
+def read_token_file(path: Path) -> str:
+    """The first line of `path`, stripped; `ValueError` if it holds no token."""
+    lines = path.expanduser().read_text().splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ValueError(f"{path} holds no token")
+    return token
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -39,8 +50,15 @@ class LaunchConfig:
     node_command: str = f"{sys.executable} -m node.main"  # how a job starts agora-node
     node_args: str = ""  # extra agora-node flags for every job
     join_token: str = dataclasses.field(default="", repr=False)  # for closed runs
+    launcher_token: str = dataclasses.field(default="", repr=False)  # the run's launcher token
+    launcher_token_file: Path | None = None  # file whose first line is the launcher token
 
     def __post_init__(self) -> None:
+        if not self.launcher_token:
+            raise ValueError(
+                "the coordinator takes facility reports only with the run's launcher token:"
+                " pass --launcher-token-file FILE or set AGORA_LAUNCHER_TOKEN"
+            )
         if self.scheduler not in SCRIPTS:
             raise ValueError(f"scheduler must be slurm or pbs, got {self.scheduler!r}")
         host, sep, port = self.coordinator.rpartition(":")
@@ -89,6 +107,8 @@ class LaunchConfig:
         if unknown:
             raise ValueError(f"{path}: unknown launch settings {sorted(unknown)}")
         table.update({k: v for k, v in overrides.items() if v is not None})
+        if table.get("launcher_token_file"):  # the file wins over the environment
+            table["launcher_token"] = read_token_file(Path(table["launcher_token_file"]))
         missing = [
             k for k in ("coordinator", "facility", "partition", "max_jobs") if k not in table
         ]

@@ -89,6 +89,7 @@ class Launcher:
             ],
             replaced=self.replaced,
             join_token=self.cfg.join_token,
+            launcher_token=self.cfg.launcher_token,
         )
 
     async def step(self) -> None:
