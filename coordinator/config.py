@@ -52,6 +52,10 @@ class CoordinatorConfig:
     relay_port: int = 0  # relay listen port on `host` (0 = OS-chosen; fix it for restarts)
     relay_announce: str | None = None  # host/IP put in the relay's address (None: `host`)
     relays: list[str] = dataclasses.field(default_factory=list)  # relay multiaddrs for nodes
+    # the relay child serves live members only, within these limits
+    relay_circuit_bytes: int = 1 << 30  # bytes one relayed circuit carries (both ways)
+    relay_circuit_duration_s: float = 3600.0  # seconds one relayed circuit may last
+    relay_reservation_ttl_s: float = 600.0  # seconds a reservation lasts unless renewed
     # storage
     db: str = "coordinator.sqlite"  # SQLite file (WAL mode)
     sync: str = "full"  # "full": fsync every group commit; "normal": survive process kill
@@ -167,6 +171,12 @@ class CoordinatorConfig:
             "launcher_token must differ from join_token (every member knows the join token)",
         )
         need(self.facility_stale_s > 0, "facility_stale_s must be > 0")
+        need(4096 <= self.relay_circuit_bytes < 1 << 63, "relay_circuit_bytes in [4096, 2**63)")
+        need(1 <= self.relay_circuit_duration_s < 1 << 31, "relay_circuit_duration_s >= 1")
+        need(
+            120 <= self.relay_reservation_ttl_s < 1 << 31,
+            "relay_reservation_ttl_s must be >= 120 (nodes renew every 60 s)",
+        )
         need(self.max_facilities >= 1, "max_facilities must be >= 1")
 
 

@@ -68,22 +68,33 @@ async def serve(cfg: CoordinatorConfig) -> int:
             port=cfg.relay_port,
             identity=Path(cfg.db).with_name(Path(cfg.db).name + ".relay.key"),
             announce=cfg.relay_announce,
+            limits={
+                "circuit-bytes": cfg.relay_circuit_bytes,
+                "circuit-duration": cfg.relay_circuit_duration_s,
+                "reservation-ttl": cfg.relay_reservation_ttl_s,
+            },
         )
         cfg.relays = [*relay.addrs, *cfg.relays]
         print(f"agora-coordinator relay at {' '.join(relay.addrs)}", flush=True)
     try:
-        return await _serve(cfg)
+        return await _serve(cfg, relay)
     finally:
         if relay is not None:
             await relay.stop()
 
 
-async def _serve(cfg: CoordinatorConfig) -> int:
+async def _serve(cfg: CoordinatorConfig, relay: RelayChild | None) -> int:
     manifest, corpus = await asyncio.to_thread(load_dataset, cfg)
     metrics = CoordinatorMetrics()
     store = SQLiteStore(cfg.db, sync=cfg.sync)
     server = CoordinatorServer(cfg, store=store, manifest=manifest, corpus=corpus, metrics=metrics)
     port = await server.start()
+    follow = None
+    if relay is not None:  # the relay serves the live members only
+        membership = server.service.membership
+        follow = asyncio.create_task(
+            relay.follow(lambda: (membership.version, list(membership.live)), cfg.sweep_interval_s)
+        )
     if cfg.metrics_port is not None:
         mport = metrics.serve(cfg.metrics_host, cfg.metrics_port)
         print(f"agora-coordinator metrics on {cfg.metrics_host}:{mport}", flush=True)
@@ -103,6 +114,8 @@ async def _serve(cfg: CoordinatorConfig) -> int:
     )
     print(f"agora-coordinator listening on {cfg.host}:{port}", flush=True)
     await server.wait_stopped()
+    if follow is not None:
+        follow.cancel()
     failed = server.commits.failed
     log.info("shutting down")
     await server.close()

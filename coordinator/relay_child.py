@@ -8,6 +8,10 @@ Naming a `node` module here is the one deliberate exception to "coordinator and 
 never depend on each other": the coordinator runs it as a separate interpreter and only
 reads its stdout. `--relay` therefore needs the node extra installed (`agora[node]`, for
 libp2p and trio); the coordinator's own closure stays free of it.
+
+The relay serves the run's live members only: `follow` writes their peer ids to the
+child's stdin (`members ID ID ...`, one line per membership change, at most one line per
+interval), and the child drops everyone else's reservations.
 tests/test_layering.py lists this module string as the single allowed crossing.
 """
 
@@ -19,11 +23,13 @@ import ipaddress
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "agora-relay at "
+WRITE_TIMEOUT_S = 30.0  # seconds a membership line may take to reach the child
 
 
 class RelayStartError(RuntimeError):
@@ -46,9 +52,12 @@ class RelayChild:
         port: int,
         identity: Path,
         announce: str | None = None,
+        limits: dict[str, float] | None = None,
         timeout_s: float = 60.0,
     ) -> RelayChild:
-        """Start the relay listening on host:port; `RelayStartError` if it does not serve."""
+        """Start the relay listening on host:port; `RelayStartError` if it does not serve.
+        `limits`: relay_main flags without the dashes (circuit-bytes, circuit-duration,
+        reservation-ttl) and their values."""
         try:
             version = ipaddress.ip_address(host).version
         except ValueError:
@@ -58,7 +67,8 @@ class RelayChild:
             "--listen", f"/ip{version}/{host}/tcp/{port}",
             "--identity", str(identity),
             *(["--announce", announce] if announce else []),
-            "--stop-on-stdin-eof",  # it goes when we go, even after a SIGKILL of ours
+            *[f"--{k}={v}" for k, v in (limits or {}).items()],
+            "--members-on-stdin",  # and it goes when we go, even after a SIGKILL of ours
         ]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -99,6 +109,25 @@ class RelayChild:
         child._drain = asyncio.create_task(child._forward_output())
         log.info("relay: circuit-relay v2 hop (pid %d) at %s", proc.pid, " ".join(addrs))
         return child
+
+    async def follow(self, members: Callable[[], tuple[int, list[str]]], interval_s: float) -> None:
+        """Write the live members to the child whenever `members()` (version, peer ids)
+        has a new version; runs until cancelled or the child's stdin breaks."""
+        stdin = self.proc.stdin
+        assert stdin is not None
+        sent = None
+        while True:
+            version, ids = members()
+            if version != sent:
+                stdin.write(("members " + " ".join(ids) + "\n").encode())
+                try:
+                    async with asyncio.timeout(WRITE_TIMEOUT_S):
+                        await stdin.drain()
+                except (ConnectionError, TimeoutError) as exc:
+                    log.error("relay: cannot send the membership to the child: %r", exc)
+                    return
+                sent = version
+            await asyncio.sleep(interval_s)
 
     async def _forward_output(self) -> None:
         assert self.proc.stdout is not None

@@ -3,6 +3,10 @@
 - In process: a hop relay, an outbound-only destination (`listen=[]`) that reserves a
   slot on it and announces only its circuit address, and a source that reaches it by
   that address alone; Noise + Yamux run end to end over the relayed stream.
+- The hop serves members only: a stranger's reservation and circuit are refused, a
+  member's work, and a circuit is cut at its duration (in process, a node's hop) and at
+  its byte limit (the coordinator's relay child, which learns the live members from the
+  coordinator; the member's reservation is refused until it joins, then held).
 - Multi-process: `agora-coordinator --relay` runs the hop as a child; a normal stage-0
   node and two `--no-listen` nodes (stage 0 and stage 1, taking the coordinator's relay)
   train. The only stage-1 replica accepts no connections, so every forward crosses the
@@ -18,14 +22,19 @@ from typing import Any
 
 import pytest
 import trio
+from coordinator_harness import write_config
 
 from node.config import NodeConfig
+from node.coordinator_client import CoordinatorClient
+from node.p2p import metrics
 from node.p2p.host import Libp2pTransport
 from node.p2p.relay import RelayAddressError, parse_relay_addr
-from node.p2p.relay_main import announced_addrs
-from node.p2p.transport import P2PConfig
+from node.p2p.relay_main import MAX_MEMBERS, announced_addrs, parse_members
+from node.p2p.transport import P2PConfig, TransportError
+from protocol import control as c
 from protocol.dataplane import Echo
 from protocol.identity import NodeKey
+from swarmlab.coordinator import start_coordinator
 from swarmlab.swarm import LocalSwarm
 
 START_S = 150.0  # seconds for the processes to import torch, reserve and join (loaded box)
@@ -61,7 +70,140 @@ def test_node_config_relay_fields() -> None:
         NodeConfig(coordinator="127.0.0.1:7700", relays=["/ip4/127.0.0.1/tcp/4001"])
 
 
+def test_membership_lines_are_parsed_strictly() -> None:
+    a, b = NodeKey.generate().peer_id, NodeKey.generate().peer_id
+    assert parse_members(f"members {a} {b}".encode()) == {a, b}
+    assert parse_members(b"members") == frozenset()
+    for bad in (b"", b"member " + a.encode(), f"members {a} x/y".encode(),
+                b"members " + b"1" * 129, b"members " + b"1 " * (MAX_MEMBERS + 1)):  # fmt: skip
+        assert parse_members(bad) is None
+
+
 # --- in process ---------------------------------------------------------------------------
+
+
+def counted(name: str, **labels: str) -> float:
+    """The current value of one of node.p2p.metrics' counters (process-wide)."""
+    counter = getattr(metrics, name)
+    return float((counter.labels(**labels) if labels else counter)._value.get())
+
+
+async def echo_handler(remote: str, msg: Any) -> Any:
+    return msg
+
+
+async def echoes(src: Libp2pTransport, dest: Libp2pTransport, n: int, size: int, gap_s: float
+                 ) -> tuple[int, int]:  # fmt: skip
+    """`n` echo requests of `size` bytes from src to dest: (answered, failed)."""
+    ok = failed = 0
+    for seq in range(n):
+        msg = Echo(seq=seq, payload=bytes(size))
+        try:
+            assert await src.request(dest.peer_id, dest.listen_addrs, ECHO, msg, timeout=10) == msg
+            ok += 1
+        except TransportError:
+            failed += 1
+        await trio.sleep(gap_s)
+    return ok, failed
+
+
+def test_a_nodes_hop_serves_members_only_and_cuts_a_circuit_at_its_duration() -> None:
+    """A `--relay-hop` node relays only for the members of its view: a stranger's
+    reservation and circuit are refused (and counted); a member's circuit is cut after
+    relay_circuit_duration_s, and the next request opens a new one."""
+    members: set[str] = set()
+    refused_res = counted("RELAY_REFUSED", what="reservation")
+    refused_circ = counted("RELAY_REFUSED", what="circuit")
+
+    async def main() -> None:
+        with trio.fail_after(90):
+            cfg = P2PConfig(relay_hop=True, relay_circuit_duration_s=2)
+            relay = Libp2pTransport(NodeKey.generate(), cfg, allow=members.__contains__)
+            async with relay.run():
+                hop = relay.direct_addrs[0]
+                dest = Libp2pTransport(NodeKey.generate(), P2PConfig(listen=[], relays=[hop]))
+                src = Libp2pTransport(NodeKey.generate(), P2PConfig(listen=[]))
+                stranger = Libp2pTransport(NodeKey.generate(), P2PConfig(listen=[], relays=[hop]))
+                members.update({dest.peer_id, src.peer_id})
+                dest.set_handler(ECHO, echo_handler)
+                async with dest.run(), src.run(), stranger.run():
+                    assert dest.relay.held == [hop]
+                    assert stranger.relay.held == []  # refused: announced, never reachable
+                    assert counted("RELAY_REFUSED", what="reservation") > refused_res
+                    # the stranger cannot open a circuit to a member either
+                    with pytest.raises(TransportError):
+                        msg = Echo(seq=0, payload=b"x")
+                        await stranger.request(
+                            dest.peer_id, dest.listen_addrs, ECHO, msg, timeout=5
+                        )
+                    assert counted("RELAY_REFUSED", what="circuit") > refused_circ
+                    # a member's circuit lasts 2 s, then the relay cuts it as data moves
+                    circuits = counted("RELAY_CIRCUITS")
+                    ok, failed = await echoes(src, dest, n=20, size=1024, gap_s=0.3)
+                    assert ok >= 10, (ok, failed)
+                    assert counted("RELAY_CIRCUITS") - circuits >= 2, "the circuit was never cut"
+
+    trio.run(main)
+
+
+def test_the_coordinators_relay_serves_live_members_only_and_cuts_at_its_byte_limit(
+    tmp_path: Path,
+) -> None:
+    """`agora-coordinator --relay`: the relay child learns the live members from the
+    coordinator. A stranger's reservation is refused; a member's is refused until it
+    joins, then held (the node's order: reserve, join, reservation held); a circuit is
+    cut past relay_circuit_bytes and the next request opens a new one."""
+    cfg = write_config(
+        tmp_path, relay_circuit_bytes=256 * 1024, lease_ttl_s=120.0, heartbeat_interval_s=30.0
+    )
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite", args=["--relay"])
+    dest_key, src_key = NodeKey.generate(), NodeKey.generate()
+
+    async def join(key: NodeKey) -> None:
+        async with CoordinatorClient("127.0.0.1", coord.port, key) as client:
+            await client.join(c.JoinRequest())
+
+    async def main() -> None:
+        with trio.fail_after(120):
+            async with CoordinatorClient("127.0.0.1", coord.port, NodeKey.generate()) as cl:
+                status = await cl.call(c.StatusRequest())
+            assert isinstance(status, c.StatusReply) and len(status.relays) == 1
+            hop = status.relays[0]
+            dest = Libp2pTransport(dest_key, P2PConfig(listen=[], relays=[hop]))
+            dest.set_handler(ECHO, echo_handler)
+            stranger = Libp2pTransport(NodeKey.generate(), P2PConfig(listen=[], relays=[hop]))
+            async with dest.run(), stranger.run():
+                # not a member yet: refused, the circuit address announced for the join
+                assert dest.relay.held == [] and dest.listen_addrs
+                await join(dest_key)
+                while dest.relay.held != [hop]:  # the relay learns of the join, we retry
+                    await trio.sleep(0.2)
+                await join(src_key)
+                src = Libp2pTransport(src_key, P2PConfig(listen=[]))
+                async with src.run():
+                    with trio.move_on_after(8):  # the stranger retries; never accepted
+                        while not stranger.relay.held:
+                            await trio.sleep(0.5)
+                    assert stranger.relay.held == []
+                    while True:  # the src's membership reaches the relay within a sweep
+                        try:
+                            msg = Echo(seq=0, payload=b"x")
+                            await src.request(dest.peer_id, dest.listen_addrs, ECHO, msg, timeout=5)
+                            break
+                        except TransportError:
+                            await trio.sleep(0.5)
+                    circuits = counted("RELAY_CIRCUITS")
+                    # 16 round trips of 2 x 32 KiB: 1 MiB through a 256 KiB circuit limit
+                    ok, failed = await echoes(src, dest, n=16, size=32 * 1024, gap_s=0.05)
+                    assert ok >= 8, (ok, failed)
+                    assert counted("RELAY_CIRCUITS") - circuits >= 2, "the circuit was never cut"
+
+    try:
+        trio.run(main)
+    finally:
+        log = coord.log.read_text(errors="replace")
+        assert coord.stop() == 0
+    assert "refused a reservation" in log, log[-3000:]
 
 
 def leaf(exc: BaseException) -> BaseException:

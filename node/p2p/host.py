@@ -103,7 +103,8 @@ class Libp2pTransport:
         if host_id != key.peer_id:  # one identity: the libp2p peer id is the node key
             raise RuntimeError(f"libp2p peer id {host_id} differs from NodeKey {key.peer_id}")
         self.limits = PeerLimits(self.cfg.limits, allow)
-        self.relay = RelaySupport(self._host, self.cfg)  # circuit relay v2 (node.p2p.relay)
+        # circuit relay v2 (node.p2p.relay); as a hop it serves the members of `allow` only
+        self.relay = RelaySupport(self._host, self.cfg, is_member=self.limits.is_member)
         self._handlers: dict[str, Handler] = {}
         self._nursery: trio.Nursery | None = None
         # idle outbound streams for reuse, per (peer id, protocol id): (stream, idle since)

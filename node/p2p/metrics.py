@@ -25,3 +25,11 @@ RELAY_RESERVATIONS = Counter(
 RELAY_CIRCUITS = Counter(
     "agora_p2p_relay_circuits_total", "Outbound connections opened through a circuit relay"
 )
+RELAY_REFUSED = Counter(
+    "agora_p2p_relay_refused_total",
+    "Reservations and circuits this relay hop refused to non-members, by what",
+    ["what"],  # reservation | circuit
+)
+RELAY_DROPPED = Counter(
+    "agora_p2p_relay_dropped_total", "Reservations this relay hop dropped when their peer left"
+)

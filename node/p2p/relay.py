@@ -14,16 +14,25 @@ cluster's NAT) reaches the swarm through a relay it connects to itself:
 - A well-connected node serves the hop itself (`P2PConfig.relay_hop`, `agora-node
   --relay-hop`); `python -m node.p2p.relay_main` runs a stand-alone relay (which
   `agora-coordinator --relay` starts as a child process).
+- The hop serves the run's members only (`MemberHop`): a reservation only for the peer
+  on the connection, and only if it is a member; a circuit only between two members.
+  A reservation lasts `relay_reservation_ttl_s` unless renewed and is dropped when its
+  peer leaves; a circuit is cut past `relay_circuit_bytes` or `relay_circuit_duration_s`
+  (both checked as its data moves). Refusals are counted (`agora_p2p_relay_refused_total`).
+- A relay that answers a reservation with a refusal may not know yet that we joined (it
+  learns the membership after the join, which carries our circuit addresses): its
+  circuit address is announced while the reservation is retried every few seconds.
 
 Built on py-libp2p's `CircuitV2Protocol` (hop and stop handlers) and
-`CircuitV2Transport` (the dialling side); only the reservation keeping is our own.
+`CircuitV2Transport` (the dialling side); the membership gate and the reservation keeping
+are our own.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -34,6 +43,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
@@ -45,6 +55,8 @@ log = logging.getLogger(__name__)
 CIRCUIT = "/p2p-circuit"
 CHECK_EVERY_S = 1.0  # seconds between checks that a relay connection is still up
 MAX_BACKOFF_S = 30.0  # seconds, the longest wait between reservation attempts
+REFUSED_BACKOFF_S = 3.0  # seconds, the longest wait after a refusal (membership not known yet)
+SWEEP_EVERY_S = 5.0  # seconds between drops of reservations held by peers who left
 
 
 class _QuietReservationEof(logging.Filter):
@@ -86,14 +98,73 @@ def parse_relay_addr(addr: str) -> tuple[multiaddr.Multiaddr, ID]:
 
 
 def relay_limits(cfg: Any) -> RelayLimits:
-    """Hop limits from a `P2PConfig`: circuits last as long as the connection (duration 0)."""
+    """Hop limits from a `P2PConfig` (or the relay's command line, in the same names)."""
     return RelayLimits(
-        duration=0,  # no cap on a circuit's lifetime: training runs for days
-        data=1 << 62,  # bytes per circuit: effectively unlimited (the field is a uint64)
+        duration=int(cfg.relay_circuit_duration_s),  # seconds per circuit
+        data=int(cfg.relay_circuit_bytes),  # bytes per circuit, both directions together
         max_circuit_conns=cfg.relay_max_circuits,
         max_reservations=cfg.relay_max_reservations,
         reservation_ttl=int(cfg.relay_reservation_ttl_s),
     )
+
+
+class ReservationRefused(ConnectionError):
+    """The relay answered the reservation with a refusal (not, or not yet, a member)."""
+
+
+class MemberHop(CircuitV2Protocol):
+    """py-libp2p's circuit-relay v2 with the run's membership: a reservation only for the
+    authenticated peer on the connection and only if `is_member`; a circuit only from a
+    member to a member. Everything else is py-libp2p's (limits, status replies)."""
+
+    def __init__(
+        self, host: Any, *, limits: RelayLimits, allow_hop: bool, is_member: Callable[[str], bool]
+    ) -> None:
+        super().__init__(host, limits=limits, allow_hop=allow_hop)
+        self.is_member = is_member
+        self.refused = {"reservation": 0, "circuit": 0}
+
+    async def _refuse(self, stream: Any, what: str, peer: ID, why: str) -> None:
+        self.refused[what] += 1
+        metrics.RELAY_REFUSED.labels(what=what).inc()
+        n = self.refused[what]
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...: bounded logging under a flood
+            log.info("relay: refused a %s from %s (%s; %d refused so far)", what, peer, why, n)
+        await self._send_status(stream, StatusCode.PERMISSION_DENIED, why)
+
+    async def _handle_reserve(self, stream: Any, msg: Any) -> None:
+        remote = stream.muxed_conn.peer_id
+        if msg.HasField("peer") and msg.peer.id and msg.peer.id != remote.to_bytes():
+            await self._refuse(stream, "reservation", remote, "a reservation for another peer")
+            return
+        if not self.is_member(remote.to_string()):
+            await self._refuse(stream, "reservation", remote, "not a member of the run")
+            return
+        await super()._handle_reserve(stream, msg)
+
+    async def _handle_connect(self, stream: Any, msg: Any) -> None:
+        remote = stream.muxed_conn.peer_id
+        try:
+            dest = ID(msg.peer.id).to_string()
+        except Exception:
+            dest = ""
+        if not (self.is_member(remote.to_string()) and dest and self.is_member(dest)):
+            await self._refuse(stream, "circuit", remote, "circuits only between members")
+            with trio.move_on_after(2.0):
+                await stream.reset()
+            return
+        await super()._handle_connect(stream, msg)
+
+    def drop_non_members(self) -> int:
+        """Drop the reservations of peers that are no longer members; returns how many."""
+        held = self.resource_manager._reservations
+        gone = [pid for pid in held if not self.is_member(pid.to_string())]
+        for pid in gone:
+            del held[pid]
+        if gone:
+            metrics.RELAY_DROPPED.inc(len(gone))
+            log.info("relay: dropped %d reservations of peers that left", len(gone))
+        return len(gone)
 
 
 class RelaySupport:
@@ -103,15 +174,18 @@ class RelaySupport:
     peers can reach us at through relays that currently hold a reservation for us.
     """
 
-    def __init__(self, host: Any, cfg: Any) -> None:
+    def __init__(self, host: Any, cfg: Any, *, is_member: Callable[[str], bool]) -> None:
         self._host = host
         self.cfg = cfg
         self.relays = list(cfg.relays)
         self._parsed = [parse_relay_addr(a) for a in self.relays]  # fail early on a typo
-        self.proto = CircuitV2Protocol(host, limits=relay_limits(cfg), allow_hop=cfg.relay_hop)
+        self.proto = MemberHop(
+            host, limits=relay_limits(cfg), allow_hop=cfg.relay_hop, is_member=is_member
+        )
         # STOP: accept relayed connections; no CLIENT role, so dialling never reserves.
         self.circuit = CircuitV2Transport(host, self.proto, RelayConfig(roles=RelayRole.STOP))
         self._reserved: dict[str, float] = {}  # relay multiaddr -> reservation expiry (unix s)
+        self._pending: set[str] = set()  # relays that refused us so far (membership not known)
         self._dial_locks: dict[str, trio.Lock] = {}
         self._first_try: dict[str, trio.Event] = {a: trio.Event() for a in self.relays}
         self._errors: dict[str, str] = {}
@@ -119,22 +193,39 @@ class RelaySupport:
     # --- addresses ------------------------------------------------------------------------
 
     @property
-    def circuit_addrs(self) -> list[str]:
-        """`<relay addr>/p2p-circuit/p2p/<self>` for each relay holding our reservation."""
-        me = self._host.get_id().to_string()
+    def held(self) -> list[str]:
+        """The relays (multiaddrs) holding a reservation for us now."""
         now = time.time()
-        return [f"{a}{CIRCUIT}/p2p/{me}" for a, exp in self._reserved.items() if exp > now]
+        return [a for a, exp in self._reserved.items() if exp > now]
+
+    @property
+    def circuit_addrs(self) -> list[str]:
+        """`<relay addr>/p2p-circuit/p2p/<self>` for each relay holding our reservation,
+        then for each relay that refused it so far (it learns of our join shortly)."""
+        me = self._host.get_id().to_string()
+        held = self.held
+        pending = [a for a in self.relays if a in self._pending and a not in held]
+        return [f"{a}{CIRCUIT}/p2p/{me}" for a in held + pending]
 
     # --- lifecycle ------------------------------------------------------------------------
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[RelaySupport]:
         """Run the relay protocol service (hop if `relay_hop`; stop always)."""
-        async with background_trio_service(self.proto):
+        async with background_trio_service(self.proto), trio.open_nursery() as nursery:
             await self.proto.event_started.wait()
             if self.cfg.relay_hop:
                 log.info("relay: serving circuit-relay v2 hop %s", HOP_PROTOCOL)
-            yield self
+                nursery.start_soon(self._sweep_non_members)
+            try:
+                yield self
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _sweep_non_members(self) -> None:
+        while True:
+            await trio.sleep(SWEEP_EVERY_S)
+            self.proto.drop_non_members()
 
     async def reserve_all(self, nursery: trio.Nursery) -> None:
         """Keep a reservation on each configured relay (tasks in `nursery`).
@@ -147,7 +238,7 @@ class RelaySupport:
             nursery.start_soon(self._keep_reservation, addr, ma, pid)
         for event in self._first_try.values():
             await event.wait()
-        if self.relays and not self._reserved:
+        if self.relays and not self._reserved and not self._pending:
             detail = "; ".join(f"{a}: {e}" for a, e in self._errors.items())
             raise ConnectionError(f"no relay accepted a reservation ({detail})")
 
@@ -159,23 +250,31 @@ class RelaySupport:
                 expires = await self._reserve(ma, pid)
             except Exception as exc:
                 lost = self._reserved.pop(addr, None) is not None
+                refused = isinstance(exc, ReservationRefused)
+                if refused:
+                    self._pending.add(addr)
+                else:
+                    self._pending.discard(addr)
                 self._errors[addr] = f"{type(exc).__name__}: {exc}"
                 level = (
                     logging.WARNING
-                    if lost or not self._first_try[addr].is_set()
-                    else (logging.DEBUG)
+                    if lost or not (refused or self._first_try[addr].is_set())
+                    else logging.INFO
+                    if refused and not self._first_try[addr].is_set()
+                    else logging.DEBUG
                 )
                 log.log(level, "relay: no reservation on %s (%s); retry in %.0f s",
                         addr, self._errors[addr], backoff)  # fmt: skip
                 self._first_try[addr].set()
                 await trio.sleep(backoff)
-                backoff = min(2 * backoff, MAX_BACKOFF_S)
+                backoff = min(2 * backoff, REFUSED_BACKOFF_S if refused else MAX_BACKOFF_S)
                 continue
             if addr not in self._reserved:
                 metrics.RELAY_RESERVATIONS.inc()
                 log.info("relay: reserved a slot on %s for %.0f s; reachable at %s",
                          addr, expires - time.time(), f"{addr}{CIRCUIT}/p2p/<self>")  # fmt: skip
             self._reserved[addr] = expires
+            self._pending.discard(addr)
             self._errors.pop(addr, None)
             self._first_try[addr].set()
             backoff = 1.0
@@ -205,7 +304,7 @@ class RelaySupport:
                 with trio.move_on_after(2.0):
                     await stream.close()
         if not ok:
-            raise ConnectionError("the relay refused the reservation")
+            raise ReservationRefused("the relay refused the reservation")
         expires = float(self.circuit._reservations.get(pid, 0))
         if expires <= time.time():
             raise ConnectionError(f"the relay granted an expired reservation ({expires})")

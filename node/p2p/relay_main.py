@@ -5,6 +5,11 @@ For nodes started with `--no-listen`: it runs a libp2p host with only the hop ro
 address once it serves, and runs until SIGINT/SIGTERM (or, with `--stop-on-stdin-eof`,
 until its parent closes its stdin). `agora-coordinator --relay` starts it as a child
 process (coordinator.relay_child), so the coordinator never imports libp2p.
+
+It serves the run's members only: with `--members-on-stdin` its parent writes the live
+peer ids as lines `members ID ID ...` (each line replaces the set; nobody is served
+before the first), and the relay drops the reservations of peers no longer listed.
+`--open` serves every peer instead, for a relay on a trusted network only.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -23,10 +29,15 @@ import trio
 
 from node.identity import load_or_create_key
 from node.p2p.host import Libp2pTransport
+from node.p2p.limits import MembershipFilter, allow_everyone
 from node.p2p.transport import P2PConfig
 from protocol.identity import NodeKey
 
 log = logging.getLogger(__name__)
+
+MAX_LINE = 8 << 20  # bytes: the longest membership line read from the parent
+MAX_MEMBERS = 1 << 17  # peer ids in one membership line
+_PEER_ID = re.compile(rb"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58btc, as peer ids are written
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,8 +67,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="stop when stdin closes (a parent that starts the relay holds the pipe, so the"
         " relay does not outlive it, even after a SIGKILL)",
     )  # fmt: skip
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument(
+        "--members-on-stdin", action="store_true",
+        help="serve only the peer ids the parent writes on stdin, as lines `members ID ID ...`"
+        " (implies --stop-on-stdin-eof; agora-coordinator --relay does this)",
+    )  # fmt: skip
+    who.add_argument(
+        "--open", action="store_true",
+        help="serve every peer: anyone can reserve and relay through it (trusted networks only)",
+    )  # fmt: skip
+    d = P2PConfig()
+    p.add_argument("--circuit-bytes", type=int, default=d.relay_circuit_bytes,
+                   help=f"bytes one circuit may carry (default {d.relay_circuit_bytes})")  # fmt: skip
+    p.add_argument("--circuit-duration", type=float, default=d.relay_circuit_duration_s,
+                   help=f"seconds one circuit may last (default {d.relay_circuit_duration_s:g})")  # fmt: skip
+    p.add_argument("--reservation-ttl", type=float, default=d.relay_reservation_ttl_s,
+                   help=f"seconds a reservation lasts unless renewed (default {d.relay_reservation_ttl_s:g})")  # fmt: skip
+    p.add_argument("--max-reservations", type=int, default=d.relay_max_reservations,
+                   help=f"reservations held at once (default {d.relay_max_reservations})")  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     return p.parse_args(argv)
+
+
+def parse_members(line: bytes) -> frozenset[str] | None:
+    """`members ID ID ...` -> the ids; None for a line that is not one (bounded, strict)."""
+    words = line.split()
+    if not words or words[0] != b"members" or len(words) > MAX_MEMBERS + 1:
+        return None
+    if not all(_PEER_ID.fullmatch(w) for w in words[1:]):
+        return None
+    return frozenset(w.decode() for w in words[1:])
+
+
+def deny_everyone(peer_id: str) -> bool:
+    """The membership before the parent's first list: nobody."""
+    return False
 
 
 def announced_addrs(listen_addrs: Sequence[str], announce: str | None) -> list[str]:
@@ -80,7 +125,17 @@ def announced_addrs(listen_addrs: Sequence[str], announce: str | None) -> list[s
 
 async def _serve_relay(args: argparse.Namespace) -> int:
     key = load_or_create_key(args.identity) if args.identity else NodeKey.generate()
-    transport = Libp2pTransport(key, P2PConfig(listen=[args.listen], relay_hop=True))
+    cfg = P2PConfig(
+        listen=[args.listen],
+        relay_hop=True,
+        relay_circuit_bytes=args.circuit_bytes,
+        relay_circuit_duration_s=args.circuit_duration,
+        relay_reservation_ttl_s=args.reservation_ttl,
+        relay_renew_s=min(60.0, args.reservation_ttl / 2),
+        relay_max_reservations=args.max_reservations,
+    )
+    allow: MembershipFilter = allow_everyone if args.open else deny_everyone
+    transport = Libp2pTransport(key, cfg, allow=allow)
     # the receiver stays open through the shutdown: a second signal then waits, harmless
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
         async with transport.run():
@@ -90,8 +145,10 @@ async def _serve_relay(args: argparse.Namespace) -> int:
             if args.addr_file:
                 args.addr_file.write_text("".join(f"{a}\n" for a in addrs))
             async with trio.open_nursery() as nursery:
-                if args.stop_on_stdin_eof:
-                    nursery.start_soon(_stop_on_stdin_eof, nursery.cancel_scope)
+                if args.stop_on_stdin_eof or args.members_on_stdin:
+                    nursery.start_soon(
+                        _follow_stdin, nursery.cancel_scope, transport, args.members_on_stdin
+                    )
                 async for signum in sigs:
                     log.info("relay: %s, stopping", signal.Signals(signum).name)
                     break
@@ -99,12 +156,38 @@ async def _serve_relay(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _stop_on_stdin_eof(scope: trio.CancelScope) -> None:
+async def _follow_stdin(scope: trio.CancelScope, transport: Libp2pTransport, members: bool) -> None:
+    """Stop when stdin closes; with `members`, apply each membership line on the way."""
+    buf = bytearray()
+    skipping = False  # inside a line over MAX_LINE: dropped up to its newline
     async with trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())) as stdin:
-        while await stdin.receive_some(4096):
-            pass
+        while chunk := await stdin.receive_some(1 << 16):
+            if not members:
+                continue
+            buf += chunk
+            while (end := buf.find(b"\n")) >= 0:
+                line = bytes(buf[:end])
+                del buf[: end + 1]
+                if skipping:  # the tail of an overlong line
+                    skipping = False
+                    continue
+                _apply_members(transport, line)
+            if len(buf) > MAX_LINE:
+                log.warning("relay: a membership line over %d bytes, ignored", MAX_LINE)
+                buf.clear()
+                skipping = True
     log.info("relay: stdin closed (parent gone), stopping")
     scope.cancel()
+
+
+def _apply_members(transport: Libp2pTransport, line: bytes) -> None:
+    ids = parse_members(line)
+    if ids is None:
+        log.warning("relay: ignored a bad membership line (%d bytes)", len(line))
+        return
+    transport.set_membership(ids.__contains__)
+    transport.relay.proto.drop_non_members()
+    log.debug("relay: serving %d members", len(ids))
 
 
 def main(argv: list[str] | None = None) -> int:

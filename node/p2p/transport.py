@@ -123,6 +123,8 @@ class P2PConfig:
     relay_reservation_ttl_s: float = 600.0  # seconds a reservation we grant (as hop) lasts
     relay_max_reservations: int = 1024  # reservations we hold for others (as hop)
     relay_max_circuits: int = 64  # concurrent relayed connections per reserved peer (as hop)
+    relay_circuit_bytes: int = 1 << 30  # bytes one relayed circuit carries (both ways) (as hop)
+    relay_circuit_duration_s: float = 3600.0  # seconds one relayed circuit may last (as hop)
 
     def __post_init__(self) -> None:
         if not 16 <= self.max_frame <= 2**32 - 1:
@@ -154,6 +156,10 @@ class P2PConfig:
             raise ValueError("relay_timeout_s must be positive")
         if self.relay_max_reservations < 1 or self.relay_max_circuits < 1:
             raise ValueError("relay_max_reservations and relay_max_circuits must be >= 1")
+        if not 4096 <= self.relay_circuit_bytes < 1 << 63:
+            raise ValueError("relay_circuit_bytes must be in [4096, 2**63) bytes")
+        if not 1 <= self.relay_circuit_duration_s < 1 << 31:
+            raise ValueError("relay_circuit_duration_s must be in [1, 2**31) seconds")
         if self.limits.max_bytes_in_flight_per_peer < self.max_frame:
             raise ValueError(
                 "limits.max_bytes_in_flight_per_peer must be at least max_frame, "
