@@ -2,8 +2,8 @@
 
 Secrets (`join_token`, `admin_token`, `launcher_token`) may come from the environment
 instead (`AGORA_JOIN_TOKEN`, `AGORA_ADMIN_TOKEN`, `AGORA_LAUNCHER_TOKEN`) so they stay off
-command lines, and the launcher token from a file (`launcher_token_file`); they are never
-printed (`repr=False`).
+command lines, and the join and launcher tokens from files (`join_token_file`,
+`launcher_token_file`: a container secret); they are never printed (`repr=False`).
 
 Example `run.toml` (every key optional; flat, or under a `[coordinator]` table):
 
@@ -91,6 +91,7 @@ class CoordinatorConfig:
     rate_burst: float = 200.0  # request burst per key
     clock_skew_s: float = 60.0  # seconds of signature timestamp tolerance
     verify_threads: int = 2  # threads checking request signatures off the event loop (0: inline)
+    join_token_file: str | None = None  # file whose first line is the join token
     # facility reports from `agora launch` (coordinator/facilities.py)
     launcher_token: str = dataclasses.field(default="", repr=False)  # empty: reports refused
     launcher_token_file: str | None = None  # file whose first line is the launcher token
@@ -204,10 +205,11 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> CoordinatorConf
         if os.environ.get(env):
             values[key] = os.environ[env]
     values.update({k: v for k, v in overrides.items() if v is not None})
-    if values.get("launcher_token_file"):
-        if values.get("launcher_token"):
-            raise ValueError("set launcher_token or launcher_token_file, not both")
-        values["launcher_token"] = read_token_file(Path(values["launcher_token_file"]))
+    for key in ("join_token", "launcher_token"):
+        if values.get(f"{key}_file"):
+            if values.get(key):
+                raise ValueError(f"set {key} or {key}_file, not both")
+            values[key] = read_token_file(Path(values[f"{key}_file"]))
     known = {f.name for f in dataclasses.fields(CoordinatorConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
