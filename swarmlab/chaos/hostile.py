@@ -193,7 +193,8 @@ class HostileRun(Run):
         before = self._lease_counters()
         started = self.now()
         popen = spawn(out.with_suffix(".log"), args, cwd=REPO)
-        self.counts[f.kind] += 1
+        with self.lock:
+            self.counts[f.kind] += 1
         self.note("attack", attack=f.kind)
         try:
             popen.wait(f.hold_s + ATTACK_GRACE_S)
