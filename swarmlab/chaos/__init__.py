@@ -26,7 +26,15 @@ a fault with no eligible victim is counted as skipped. Then every node is draine
 (SIGINT), the coordinator stopped, and `agora audit` replays the lease log. The same
 seed without faults gives the comparison loss (`--baseline sequential|concurrent|none`).
 
+With `--hostile` the schedule plays hostile attacks instead of faults (`hostile`): bad
+addresses, msgpack amplification, connection floods and slow drips, stranger lease
+calls, forged facility reports, key floods and replays, maximal address lists (raw
+sockets), a member answering with poisoned gradients and one sending oversized forwards
+(libp2p), while a probe times heartbeats and reads the committed tokens.
+
 Modules: `schedule` (config, kinds, `plan`), `faults` (the injectors), `run` (one swarm
 under one schedule, sampling, the per-run report), `main` (both runs, the command line),
-`rogue` (the rogue peer process).
+`rogue` (the rogue peer process), `hostile` (the hostile run and its judgement),
+`raw_attacks` and `member_attacks` (the hostile attackers), `control_wire` (a blocking
+control-plane connection).
 """

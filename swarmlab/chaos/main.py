@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from swarmlab.chaos.hostile import HostileRun, hostile_plan
 from swarmlab.chaos.run import Run
 from swarmlab.chaos.schedule import ChaosConfig, plan
 from swarmlab.procs import workdir_path
@@ -21,8 +22,10 @@ log = logging.getLogger("agora.chaos")
 def chaos(cfg: ChaosConfig) -> dict[str, Any]:
     """Run the chaos swarm (and the fault-free one); return the report."""
     window = cfg.minutes * 60
-    schedule = plan(cfg.seed, window, cfg)
-    faulty = Run(cfg, "chaos", schedule)
+    if cfg.hostile:
+        faulty: Run = HostileRun(cfg, "hostile", hostile_plan(cfg.seed, window, cfg))
+    else:
+        faulty = Run(cfg, "chaos", plan(cfg.seed, window, cfg))
     report: dict[str, Any]
     if cfg.baseline == "concurrent":
         calm = Run(cfg, "fault_free", [])
@@ -66,7 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         " schedule of faults: node SIGKILLs with replacements, SIGSTOP zombies, coordinator"
         " SIGKILL+restart, streams cut mid-message, a rogue peer, joins mid outer round. Then"
         " drain, audit, and compare the loss with a fault-free run of the same seed. Exit 0"
-        " iff no range is lost or duplicated and no honest process crashed.",
+        " iff no range is lost or duplicated and no honest process crashed. With --hostile,"
+        " real rogue processes and raw sockets play hostile attacks instead (bad addresses,"
+        " msgpack amplification, connection floods, slow drips, poisoned gradients, stranger"
+        " lease calls, oversized forwards, forged facility reports, key floods and replays,"
+        " maximal address lists) while a probe times heartbeats; exit 0 iff additionally"
+        " every heartbeat came back within the lease TTL and commits grew in each third of"
+        " the window.",
     )
     p.add_argument("--minutes", type=float, required=True, help="length of the fault window")
     p.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
@@ -76,9 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir", type=workdir_path, default=None, help="logs and DBs (default a temp dir)"
     )
     p.add_argument(
-        "--baseline", choices=("sequential", "concurrent", "none"), default="sequential",
-        help="the fault-free run of the same seed: after the chaos run (default), at the same"
-        " time (halves the CPU of each; fits a deadline), or none",
+        "--baseline", choices=("sequential", "concurrent", "none"), default=None,
+        help="the fault-free run of the same seed: after the chaos run (default without"
+        " --hostile), at the same time (halves the CPU of each; fits a deadline), or none"
+        " (default with --hostile)",
+    )  # fmt: skip
+    p.add_argument(
+        "--hostile", action="store_true",
+        help="play hostile attacks (swarmlab.chaos.hostile) instead of crashes; the report"
+        " adds attacks, heartbeat_max_s, heartbeat_max_gap_s, commits_by_third and ok",
     )  # fmt: skip
     p.add_argument("--fault-every", type=float, default=45.0, help="mean seconds between faults")
     p.add_argument(
@@ -92,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="agora-chaos-"))
     try:
         cfg = ChaosConfig(
-            minutes=args.minutes, seed=args.seed, preset=args.preset, baseline=args.baseline,
+            minutes=args.minutes, seed=args.seed, preset=args.preset, hostile=args.hostile,
+            baseline=args.baseline or ("none" if args.hostile else "sequential"),
             fault_every_s=args.fault_every, outer_every_steps=args.outer_every_steps,
             workdir=workdir,
         )  # fmt: skip
@@ -100,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agora chaos: {exc}", file=sys.stderr)
         return 2
     if args.plan_only:
-        for f in plan(cfg.seed, cfg.minutes * 60, cfg):
+        planner = hostile_plan if cfg.hostile else plan
+        for f in planner(cfg.seed, cfg.minutes * 60, cfg):
             print(f"{f.at_s:8.1f}s  {f.kind:<17} pick={f.pick:.3f} hold={f.hold_s:.1f}s")
         return 0
     print(f"agora chaos: logs in {workdir}", flush=True)
@@ -118,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         f" (fault-free {report['final_loss_fault_free']}); max RSS {report['max_rss_mb']} MB;"
         f" crashed {sorted(report['crashed']) or 'none'}"
     )
+    if cfg.hostile:
+        print(
+            f"attacks { ({k: v['outcome'] for k, v in report['attacks'].items()}) };"
+            f" heartbeat max {report['heartbeat_max_s']} s, longest gap"
+            f" {report['heartbeat_max_gap_s']} s (TTL {report['lease_ttl_s']} s); committed"
+            f" per third {report['commits_by_third']}"
+        )
+        return 0 if report["ok"] else 1
     ok = not report["lost_ranges"] and not report["duplicated_ranges"] and not report["crashed"]
     return 0 if ok else 1
 

@@ -71,32 +71,43 @@ STREAMS = 2000  # streams the `streams` attack tries to open
 STREAMS_S = 40.0  # seconds the `streams` attack may take in all
 
 
-def forward(run: c.RunInfo, *, width_delta: int = 0, bad: float | None = None) -> Forward:
-    """A Forward for a `subspace_int4` or `subspace_int8` boundary (well-formed unless
-    told otherwise)."""
+def encoded(run: c.RunInfo, shape: list[int], *, bad: float | None = None) -> EncodedTensor:
+    """A boundary tensor of `shape` [rows, tokens, width] in the run's subspace codec; its
+    scale is `bad` (NaN, Inf) when given."""
     if run.codec not in ("subspace_int4", "subspace_int8"):
         raise SystemExit(
             f"chaos_rogue: only the subspace_int4/int8 codecs are modelled, not {run.codec}"
         )
-    cfg = preset(run.model_preset)
-    d, k = cfg.d_model + width_delta, cfg.subspace_rank
+    rows, seq = shape[0], shape[1]
+    k = preset(run.model_preset).subspace_rank
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 256, size=(BATCH, SEQ + 1), dtype=np.uint8)
     if run.codec == "subspace_int4":  # packed nibbles, two codes a byte
-        q = rng.integers(0, 256, size=(BATCH, SEQ, k // 2), dtype=np.uint8)
+        q = rng.integers(0, 256, size=(rows, seq, k // 2), dtype=np.uint8)
     else:
-        q = rng.integers(-20, 20, size=(BATCH, SEQ, k), dtype=np.int8)
-    rel = np.ones((BATCH, SEQ), dtype=np.float16)
+        q = rng.integers(-20, 20, size=(rows, seq, k), dtype=np.int8)
+    rel = np.ones((rows, seq), dtype=np.float16)
     g = np.array([0.5 if bad is None else bad], dtype=np.float32)
-    hidden = EncodedTensor(
-        codec=run.codec,
-        shape=[BATCH, SEQ, d],
-        parts=[TensorFrame.from_numpy(a) for a in (q, rel, g)],
+    return EncodedTensor(
+        codec=run.codec, shape=list(shape), parts=[TensorFrame.from_numpy(a) for a in (q, rel, g)]
     )
+
+
+def forward(
+    run: c.RunInfo,
+    *,
+    width_delta: int = 0,
+    bad: float | None = None,
+    rows: int = BATCH,
+    mb_id: str = "rogue.0.0",
+) -> Forward:
+    """A Forward for a `subspace_int4` or `subspace_int8` boundary (well-formed unless
+    told otherwise)."""
+    d = preset(run.model_preset).d_model + width_delta
+    tokens = np.random.default_rng(0).integers(0, 256, size=(rows, SEQ + 1), dtype=np.uint8)
     return Forward(
-        mb_id="rogue.0.0",
+        mb_id=mb_id,
         tokens=TensorFrame.from_numpy(tokens),
-        hidden=hidden,
+        hidden=encoded(run, [rows, SEQ, d], bad=bad),
         route=["rogue"],
         deadline=time.time() + 30,
     )

@@ -149,7 +149,7 @@ class Run(Target):
             for f in self.faults:
                 while self.now() < f.at_s:
                     time.sleep(min(0.5, f.at_s - self.now()))
-                t = threading.Thread(target=inject, args=(self, f), daemon=True)
+                t = threading.Thread(target=self.inject, args=(f,), daemon=True)
                 t.start()
                 self._threads.append(t)
             while self.now() < window:
@@ -165,6 +165,10 @@ class Run(Target):
                 if popen.poll() is None:
                     popen.kill()
             self.swarm.kill_all()
+
+    def inject(self, f: Fault) -> None:
+        """Inject one scheduled fault (on its own thread)."""
+        inject(self, f)
 
     def _all_pids(self) -> list[int]:
         pids = [p.popen.pid for p in self.swarm.nodes.values() if p.alive()]

@@ -23,6 +23,7 @@ class ChaosConfig:
     start_timeout_s: float = 300.0  # seconds for the first four nodes to train
     stop_timeout_s: float = 120.0  # seconds for the final drain
     baseline: str = "sequential"  # fault-free comparison: sequential | concurrent | none
+    hostile: bool = False  # play hostile attacks (swarmlab.chaos.hostile) instead of faults
     workdir: Path = Path("chaos-out")  # logs, DBs and per-run files
 
     def __post_init__(self) -> None:
@@ -46,13 +47,16 @@ class Fault:
     hold_s: float  # seconds of SIGSTOP (zombie) or of coordinator downtime
 
 
-def plan(seed: int, window_s: float, cfg: ChaosConfig) -> list[Fault]:
-    """The fault schedule of a seed: pure, so the same seed gives the same schedule."""
+def plan(
+    seed: int, window_s: float, cfg: ChaosConfig, kinds_played: tuple[str, ...] = KINDS
+) -> list[Fault]:
+    """The fault schedule of a seed: pure, so the same seed gives the same schedule.
+    Every one of `kinds_played` comes once per shuffled cycle."""
     rng = random.Random(seed)
-    n = max(len(KINDS), round(window_s * 0.85 / cfg.fault_every_s))
+    n = max(len(kinds_played), round(window_s * 0.85 / cfg.fault_every_s))
     kinds: list[str] = []
     while len(kinds) < n:
-        cycle = list(KINDS)
+        cycle = list(kinds_played)
         rng.shuffle(cycle)
         kinds += cycle
     kinds = kinds[:n]

@@ -1,0 +1,84 @@
+"""A blocking control-plane connection for the hostile attacks and the heartbeat probe of
+`agora chaos --hostile`: signed requests written as frames, replies read back in order.
+
+No trio, torch or libp2p: the raw attackers start in well under a second, and the probe
+runs on a thread of the chaos process. `Control.call` times each round trip.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from protocol import control as c
+from protocol.codec import decode
+from protocol.errors import ProtocolError
+from protocol.framing import FrameDecoder, frame_message
+from protocol.identity import NodeKey
+from protocol.message import Message
+from protocol.signing import sign_request
+
+MAX_REPLY = 32 << 20  # bytes of one reply frame the attackers accept (a membership view)
+
+
+def signed_frame(key: NodeKey, body: Message, *, now: float | None = None) -> bytes:
+    """`body` signed by `key` (at `now`, default the current time), framed for the wire."""
+    return frame_message(sign_request(key, body, now=time.time() if now is None else now))
+
+
+def code(msg: Message) -> str:
+    """The error code of an `ErrorReply`, else the reply's type tag."""
+    return msg.code if isinstance(msg, c.ErrorReply) else msg.TYPE
+
+
+class Control:
+    """One TCP connection to the coordinator; every read and write has `timeout_s`."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float = 5.0) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        self.decoder = FrameDecoder(max_frame=MAX_REPLY)
+        self._ready: list[bytes] = []
+
+    def __enter__(self) -> Control:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def read(self) -> Message:
+        """The next reply; `ConnectionError` if the coordinator closed the connection."""
+        while not self._ready:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("the coordinator closed the connection")
+            self._ready += self.decoder.feed(chunk)
+        try:
+            return decode(self._ready.pop(0), max_size=MAX_REPLY)
+        except ProtocolError as exc:
+            raise ConnectionError(f"undecodable reply: {exc}") from exc
+
+    def read_codes(self, n: int) -> list[str]:
+        """Codes of up to `n` replies, stopping early when the connection ends or stalls."""
+        out: list[str] = []
+        try:
+            while len(out) < n:
+                out.append(code(self.read()))
+        except (OSError, ConnectionError):
+            pass
+        return out
+
+    def call(self, key: NodeKey, body: Message) -> tuple[Message, float]:
+        """Send one signed request; its reply and the round trip in seconds."""
+        t = time.monotonic()
+        self.send(signed_frame(key, body))
+        reply = self.read()
+        return reply, time.monotonic() - t
