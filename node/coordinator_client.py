@@ -1,11 +1,15 @@
 """Trio client of the coordinator's control plane (see `protocol.control` for the calls).
 
 One TCP connection, one request in flight at a time, every request signed with the
-node key. Every call has a deadline. While the coordinator is away (connection refused
+node key for the coordinator's run: before its first other request the client asks the
+status (signed for no run, the one request a coordinator takes so) and signs everything
+after for `StatusReply.run_id`. Every call has a deadline. While the coordinator is away (connection refused
 or cut, `too_busy`, `rate_limited`, `internal`) calls retry with jittered exponential
 back-off until `retry_deadline_s`, then raise `CoordinatorUnavailable`. Refusals raise
 `CoordinatorError` (`FencedError` for a fenced lease, `NotMemberError` when the
-membership lapsed). `heartbeat_loop` keeps the membership and all leases alive, re-joins
+membership lapsed). A `replay` refusal is retried too: each attempt is signed
+afresh, so it only means a clock behind the coordinator's or a request signed before
+a coordinator restart. `heartbeat_loop` keeps the membership and all leases alive, re-joins
 after a lapse and rides out outages. Imports only `protocol`.
 """
 
@@ -31,7 +35,7 @@ from protocol.signing import sign_request
 
 log = logging.getLogger(__name__)
 
-RETRY_CODES = ("too_busy", "rate_limited", "internal")
+RETRY_CODES = ("too_busy", "rate_limited", "internal", "replay")
 
 
 class CoordinatorError(Exception):
@@ -98,6 +102,7 @@ class CoordinatorClient:
         self.join_request: c.JoinRequest | None = None
         self.joined: c.JoinReply | None = None
         self.view = MembershipView()
+        self.run_id: str | None = None  # the run requests are signed for (learned once)
         self._announce: list[str] | None = None  # DHT addresses for the next heartbeat
 
     @property
@@ -127,7 +132,18 @@ class CoordinatorClient:
         if self._stream is None:
             self._stream = await trio.open_tcp_stream(self.host, self.port)
             self._decoder = FrameDecoder(max_frame=self.cfg.max_frame_bytes)
-        req = sign_request(self.key, body, now=time.time())
+        if self.run_id is None and not isinstance(body, c.StatusRequest):
+            status = await self._exchange(c.StatusRequest(), None)
+            if not isinstance(status, c.StatusReply):
+                return status  # an error reply: `call` retries or raises
+            self.run_id = status.run_id
+        return await self._exchange(
+            body, None if isinstance(body, c.StatusRequest) else self.run_id
+        )
+
+    async def _exchange(self, body: Message, run: str | None) -> Message:
+        assert self._stream is not None
+        req = sign_request(self.key, body, now=time.time(), run=run)
         await self._stream.send_all(frame_message(req, max_frame=self.cfg.max_frame_bytes))
         while True:
             data = await self._stream.receive_some(1 << 16)
