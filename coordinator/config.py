@@ -24,6 +24,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from protocol.control import MAX_PEER_INFO_BYTES, MAX_PEERS_PER_PAGE
+
 AUTH_MODES = ("open", "token", "allowlist")
 
 
@@ -80,6 +82,9 @@ class CoordinatorConfig:
     admin_token: str = dataclasses.field(default="", repr=False)  # empty: admin calls off
     max_frame_bytes: int = 8 << 20  # bytes per reply frame (a shard's bytes fit in one)
     max_request_bytes: int = 1 << 20  # bytes per request frame (requests are small)
+    # members (or ids that left) in one membership reply; more come in further pages
+    # (the page must fit max_frame_bytes at the largest member entry)
+    membership_page_peers: int = 512
     max_connections: int = 20_000  # concurrent connections
     # concurrent connections from one source (an IPv4 address or an IPv6 /64); a NAT
     # with more nodes behind it than this needs it raised (each node holds one)
@@ -158,6 +163,13 @@ class CoordinatorConfig:
             f" ({self.shard_tokens}) so a shard fits one frame",
         )
         need(self.max_connections >= 1, "max_connections must be >= 1")
+        need(
+            1 <= self.membership_page_peers <= MAX_PEERS_PER_PAGE
+            and self.membership_page_peers * MAX_PEER_INFO_BYTES + 4096 <= self.max_frame_bytes,
+            f"membership_page_peers ({self.membership_page_peers}) must be in"
+            f" [1, {MAX_PEERS_PER_PAGE}] and a page of that many members at"
+            f" {MAX_PEER_INFO_BYTES} bytes each must fit max_frame_bytes ({self.max_frame_bytes})",
+        )
         need(self.max_connections_per_host >= 1, "max_connections_per_host must be >= 1")
         need(
             self.max_buffered_bytes >= self.max_request_bytes,

@@ -287,7 +287,9 @@ class Service:
         )
 
     def _membership(self, peer: Peer, req: c.MembershipRequest, now: float) -> Message:
-        return self.membership.delta(req.since, req.stage)
+        return self.membership.delta(
+            req.since, req.stage, after=req.after, page=self.cfg.membership_page_peers
+        )
 
     def _manifest(self, peer: Peer, req: c.ManifestRequest, now: float) -> Message:
         return self.manifest

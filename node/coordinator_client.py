@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from protocol import control as c
+from protocol.addrs import cap
 from protocol.corpus import Manifest
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame_message
@@ -68,17 +69,22 @@ class ClientConfig:
     backoff_initial_s: float = 0.1  # seconds before the first retry
     backoff_max_s: float = 5.0  # seconds, cap of the exponential back-off
     max_frame_bytes: int = 8 << 20  # bytes
+    max_membership_pages: int = 1000  # pages one membership refresh may take
 
 
 class MembershipView:
-    """The node's copy of the membership view, kept current with deltas."""
+    """The node's copy of the membership view, kept current with deltas (one page at a
+    time; `CoordinatorClient.membership` assembles the pages of a full view)."""
 
     def __init__(self) -> None:
         self.version = 0
         self.peers: dict[str, c.PeerInfo] = {}
 
     def apply(self, reply: c.MembershipReply) -> None:
+        """Adopt one delta page, or a full view that came in one page."""
         if reply.full:
+            if reply.more:
+                raise ValueError("one page of a full view cannot be applied alone")
             self.peers = {}
         for p in reply.peers:
             self.peers[p.peer_id] = p
@@ -211,6 +217,10 @@ class CoordinatorClient:
     async def join(self, request: c.JoinRequest | None = None) -> c.JoinReply:
         """Join (or re-join with the last request). The reply holds the run and stage."""
         request = request or self.join_request or c.JoinRequest()
+        # announce at most MAX_ADDRS addresses of at most MAX_CHARS characters
+        request = dataclasses.replace(
+            request, addrs=cap(list(request.addrs)), dht_addrs=cap(list(request.dht_addrs))
+        )
         reply = await self._typed(request, c.JoinReply)
         assert isinstance(reply, c.JoinReply)
         self.join_request, self.joined = request, reply
@@ -231,7 +241,8 @@ class CoordinatorClient:
 
     def announce_dht(self, addrs: list[str]) -> None:
         """Publish new DHT addresses with the next heartbeat (and in any re-join)."""
-        self._announce = list(addrs)
+        addrs = cap(list(addrs))
+        self._announce = addrs
         if self.join_request is not None:
             self.join_request = dataclasses.replace(self.join_request, dht_addrs=list(addrs))
 
@@ -264,14 +275,49 @@ class CoordinatorClient:
                 log.warning("coordinator unavailable: %s", exc)
             await trio.sleep(interval)
 
-    async def membership(self, stage: int | None = None) -> MembershipView:
-        """Bring `self.view` up to date with a delta since its version."""
-        reply = await self._typed(
-            c.MembershipRequest(since=self.view.version, stage=stage), c.MembershipReply
-        )
+    async def _membership_page(
+        self, since: int, stage: int | None, after: str = ""
+    ) -> c.MembershipReply:
+        body = c.MembershipRequest(since=since, stage=stage, after=after)
+        reply = await self._typed(body, c.MembershipReply)
         assert isinstance(reply, c.MembershipReply)
-        self.view.apply(reply)
-        return self.view
+        return reply
+
+    async def membership(self, stage: int | None = None) -> MembershipView:
+        """Bring `self.view` up to date, page by page (see `MembershipRequest`): delta
+        pages from its version; or the pages of a full view, adopted whole once the last
+        arrived, then the changes made while they were read. At most
+        `max_membership_pages` pages, else `CoordinatorError("bad_reply")`."""
+        view, pages = self.view, 0
+
+        async def page(since: int, after: str = "") -> c.MembershipReply:
+            nonlocal pages
+            pages += 1
+            if pages > self.cfg.max_membership_pages:
+                raise CoordinatorError(
+                    "bad_reply", f"membership took over {self.cfg.max_membership_pages} pages"
+                )
+            return await self._membership_page(since, stage, after)
+
+        reply = await page(view.version)
+        while True:
+            if reply.full:
+                base, fresh = reply.version, {p.peer_id: p for p in reply.peers}
+                while reply.more:
+                    if not reply.cursor:
+                        raise CoordinatorError("bad_reply", "a full-view page without a cursor")
+                    reply = await page(0, reply.cursor)
+                    if not reply.full:
+                        raise CoordinatorError("bad_reply", "a delta inside a full view")
+                    fresh.update((p.peer_id, p) for p in reply.peers)
+                view.peers, view.version = fresh, base
+                if reply.version == base:
+                    return view  # nothing changed while the pages were read
+            else:
+                view.apply(reply)
+                if not reply.more:
+                    return view
+            reply = await page(view.version)
 
     async def leave(self) -> None:
         await self._typed(c.LeaveRequest(), c.OkReply, retry=False)

@@ -18,6 +18,7 @@ from coordinator_harness import write_config
 
 from node.coordinator_client import ClientConfig, CoordinatorClient
 from protocol import control as c
+from protocol.addrs import MAX_ADDRS, MAX_CHARS, multiaddr_problem
 from protocol.codec import decode
 from protocol.framing import HEADER, FrameDecoder, frame_message
 from protocol.identity import NodeKey
@@ -276,5 +277,55 @@ def test_a_request_captured_before_a_restart_is_refused_after_it(tmp_path: Path)
         assert "before this coordinator started" in reply.detail
 
         trio.run(join, coord.port)  # fresh signatures are served
+    finally:
+        coord.stop()
+
+
+def _maximal_addrs(tag: str) -> list[str]:
+    """MAX_ADDRS distinct addresses of exactly MAX_CHARS characters."""
+    out = []
+    for j in range(MAX_ADDRS):
+        head = f"{tag}x{j}"
+        name = ".".join(["a" * 63] * 3) + "." + head + "b" * (49 - len(head))
+        out.append(f"/dns4/{name}/tcp/4001")
+    assert all(len(a) == MAX_CHARS and multiaddr_problem(a) is None for a in out)
+    return out
+
+
+def test_a_large_view_of_maximal_entries_comes_in_pages_that_fit_a_frame(tmp_path: Path) -> None:
+    """200 members, each with the most and the longest addresses allowed, would need
+    about 900 KB in one reply; the reply frame here is 300 KB. A node-side client gets
+    the full view over pages of 50, then the later changes as delta pages."""
+    cfg = write_config(tmp_path, max_frame_bytes=300_000, max_request_bytes=65536,
+                       membership_page_peers=50)  # fmt: skip
+    coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
+    keys = [NodeKey.generate() for _ in range(265)]
+
+    async def join(batch: list[NodeKey]) -> None:
+        for key in batch:
+            async with CoordinatorClient("127.0.0.1", coord.port, key, config=FAST) as cl:
+                addrs = _maximal_addrs(key.peer_id[-6:])
+                await cl.join(c.JoinRequest(addrs=addrs, dht_addrs=addrs, device="d" * 64))
+
+    async def go() -> None:
+        await join(keys[:200])
+        async with CoordinatorClient("127.0.0.1", coord.port, keys[0], config=FAST) as node:
+            first = await node._membership_page(0, None)
+            assert first.full and first.more and len(first.peers) == 50 and first.cursor
+            view = await node.membership()
+            assert set(view.peers) == {k.peer_id for k in keys[:200]}
+            assert all(len(p.addrs) == MAX_ADDRS for p in view.peers.values())
+            await join(keys[200:])  # 65 changes: two delta pages
+            for key in keys[195:200]:
+                async with CoordinatorClient("127.0.0.1", coord.port, key, config=FAST) as cl:
+                    await cl.leave()
+            before = view.version
+            view = await node.membership()
+            assert set(view.peers) == {k.peer_id for k in keys[:195] + keys[200:]}
+            delta = await node._membership_page(before, None)
+            assert not delta.full and delta.more and len(delta.peers) == 50
+
+    try:
+        trio.run(go)
     finally:
         coord.stop()
