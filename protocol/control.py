@@ -49,7 +49,9 @@ Node-facing calls (request -> reply):
 - `ShardFetch(shard_id)` -> `ShardData`: the shard's bytes and sha256 (verify it).
 - `LeaveRequest` -> `OkReply`: leave cleanly (releases every lease).
 - `StatusRequest` -> `StatusReply`: read-only run summary; any valid signature will do
-  (an ephemeral key is fine), membership is not required.
+  (an ephemeral key is fine), membership is not required. It is the one request a
+  coordinator takes signed for no run (`sign_request(..., run=None)`); every other
+  request must be signed for `StatusReply.run_id`.
 
 Admin calls carry `admin_token` and answer `OkReply` or `ErrorReply(code="forbidden")`:
 `AdminDrain(peer_id)`, `AdminBan(peer_id)`, `AdminPause(paused)`.
