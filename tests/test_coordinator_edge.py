@@ -216,9 +216,9 @@ def test_a_signature_for_one_run_is_refused_by_another(tmp_path: Path) -> None:
     to B, is refused; so is any request but a status signed for no run."""
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     a_dir.mkdir(), b_dir.mkdir()
-    run_a = start_coordinator(a_dir, config=write_config(a_dir, run_id="run-a"),
+    run_a = start_coordinator(a_dir, config=write_config(a_dir, run_id="run-a", lease_ttl_s=30.0),
                               db=a_dir / "c.sqlite")  # fmt: skip
-    run_b = start_coordinator(b_dir, config=write_config(b_dir, run_id="run-b"),
+    run_b = start_coordinator(b_dir, config=write_config(b_dir, run_id="run-b", lease_ttl_s=30.0),
                               db=b_dir / "c.sqlite")  # fmt: skip
     key = NodeKey.generate()
 
@@ -296,8 +296,9 @@ def test_a_large_view_of_maximal_entries_comes_in_pages_that_fit_a_frame(tmp_pat
     """200 members, each with the most and the longest addresses allowed, would need
     about 900 KB in one reply; the reply frame here is 300 KB. A node-side client gets
     the full view over pages of 50, then the later changes as delta pages."""
+    # members never heartbeat here: a TTL long enough that none lapses while 265 join
     cfg = write_config(tmp_path, max_frame_bytes=300_000, max_request_bytes=65536,
-                       membership_page_peers=50)  # fmt: skip
+                       membership_page_peers=50, lease_ttl_s=300.0)  # fmt: skip
     coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
     keys = [NodeKey.generate() for _ in range(265)]
 
