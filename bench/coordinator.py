@@ -40,6 +40,7 @@ from swarmlab.coordinator import CoordinatorProc, start_coordinator
 from swarmlab.procs import child_env
 
 REPO = Path(__file__).resolve().parent.parent
+RUN_ID = "bench-coordinator"  # the bench coordinator's run; requests are signed for it
 
 
 class Conn:
@@ -58,7 +59,8 @@ class Conn:
     def send(self, key: NodeKey, body: Message, kind: str, want: bool = False):  # type: ignore[no-untyped-def]
         fut = asyncio.get_running_loop().create_future() if want else None
         self.pending.append((time.perf_counter(), fut, kind))
-        self.writer.write(frame_message(sign_request(key, body, now=time.time())))
+        req = sign_request(key, body, now=time.time(), run=RUN_ID)
+        self.writer.write(frame_message(req))
         return fut
 
     async def read_loop(self) -> None:
@@ -226,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         config = write_toml(
             tmp / "run.toml",
             {
+                "run_id": RUN_ID,
                 "dataset": str(data),
                 "shard_tokens": 16384,
                 "heartbeat_interval_s": args.interval,
@@ -233,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                 "sync": args.sync,
                 "rate_per_peer": 1000.0,
                 "rate_burst": 1000.0,
+                # every simulated peer is on 127.0.0.1: no per-host rate or connection cap
+                "rate_per_host": 0.0,
+                "max_connections_per_host": 100_000,
                 "max_leases_per_peer": 4,
                 "min_grant_tokens": 1,
                 "verify_threads": args.verify_threads,  # None: the coordinator's default

@@ -25,6 +25,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from protocol.control import MAX_PEER_INFO_BYTES, MAX_PEERS_PER_PAGE
+
 AUTH_MODES = ("open", "token", "allowlist")
 
 
@@ -85,8 +87,22 @@ class CoordinatorConfig:
     admin_token: str = dataclasses.field(default="", repr=False)  # empty: admin calls off
     max_frame_bytes: int = 8 << 20  # bytes per reply frame (a shard's bytes fit in one)
     max_request_bytes: int = 1 << 20  # bytes per request frame (requests are small)
+    # members (or ids that left) in one membership reply; more come in further pages
+    # (the page must fit max_frame_bytes at the largest member entry)
+    membership_page_peers: int = 512
     max_connections: int = 20_000  # concurrent connections
-    idle_timeout_s: float = 300.0  # seconds a silent connection stays open
+    # concurrent connections from one source (an IPv4 address or an IPv6 /64); a NAT
+    # with more nodes behind it than this needs it raised (each node holds one)
+    max_connections_per_host: int = 64
+    # bytes of partially received request frames, all connections together; a connection
+    # whose next read would pass it is closed (one connection holds <= max_request_bytes)
+    max_buffered_bytes: int = 256 << 20
+    frame_deadline_s: float = 10.0  # seconds from a request frame's first byte to its last
+    idle_timeout_s: float = 300.0  # seconds a silent connection stays open between frames
+    # sustained requests/s from one source host, counted before signature checks (0: no
+    # limit; many nodes behind one NAT share it, so it is far above rate_per_peer)
+    rate_per_host: float = 1000.0
+    host_burst: float = 5000.0  # request burst per source host
     rate_per_peer: float = 50.0  # sustained requests/s per key
     rate_burst: float = 200.0  # request burst per key
     clock_skew_s: float = 60.0  # seconds of signature timestamp tolerance
@@ -158,7 +174,31 @@ class CoordinatorConfig:
             f" ({self.shard_tokens}) so a shard fits one frame",
         )
         need(self.max_connections >= 1, "max_connections must be >= 1")
+        need(
+            1 <= self.membership_page_peers <= MAX_PEERS_PER_PAGE
+            and self.membership_page_peers * MAX_PEER_INFO_BYTES + 4096 <= self.max_frame_bytes,
+            f"membership_page_peers ({self.membership_page_peers}) must be in"
+            f" [1, {MAX_PEERS_PER_PAGE}] and a page of that many members at"
+            f" {MAX_PEER_INFO_BYTES} bytes each must fit max_frame_bytes ({self.max_frame_bytes})",
+        )
+        need(self.max_connections_per_host >= 1, "max_connections_per_host must be >= 1")
+        need(
+            self.max_buffered_bytes >= self.max_request_bytes,
+            f"max_buffered_bytes ({self.max_buffered_bytes}) must be at least"
+            f" max_request_bytes ({self.max_request_bytes}): one whole request must fit",
+        )
+        need(
+            self.frame_deadline_s > 0 and self.idle_timeout_s > 0, "frame_deadline_s/idle_timeout_s"
+        )
         need(self.rate_per_peer > 0 and self.rate_burst >= 1, "rate_per_peer/rate_burst")
+        need(
+            self.rate_per_host >= 0 and self.host_burst >= 1,
+            "rate_per_host must be >= 0 (0: no limit) and host_burst >= 1",
+        )
+        need(
+            self.rate_per_host == 0 or self.rate_per_host >= self.rate_per_peer,
+            "rate_per_host must be 0 or at least rate_per_peer (one node must get through)",
+        )
         need(
             0 <= self.verify_threads <= 64,
             f"verify_threads must be in [0, 64]: {self.verify_threads}",

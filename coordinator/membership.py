@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from coordinator.journal import Journal
+from protocol.addrs import fit
 from protocol.control import MembershipReply, PeerInfo
 
 LIVE, LEFT, DEAD, BANNED = "live", "left", "dead", "banned"
@@ -85,8 +86,8 @@ class Peer:
             pid,
             bytes(pk),
             int(stage),
-            list(book["p2p"]),
-            list(book["dht"]),
+            fit(list(book["p2p"])),  # an entry stored under older, looser bounds is cut
+            fit(list(book["dht"])),
             device,
             float(thr),
             dl,
@@ -145,6 +146,7 @@ class Membership:
                 self.live[p.peer_id] = p
             elif p.state == BANNED:
                 self.banned.add(p.peer_id)
+        self._ids = sorted(self.live)  # live peer ids in order: the full view's pages
         self.resum()
         self._log_versions: list[int] = []
         self._log: list[tuple[str, str]] = []
@@ -235,6 +237,8 @@ class Membership:
         old = self.live.pop(peer.peer_id, None)
         if old is not None:
             self._account(old, -1)
+        else:
+            bisect.insort(self._ids, peer.peer_id)
         self.live[peer.peer_id] = peer
         self._account(peer, +1)
         self.joins_total += 1
@@ -270,6 +274,7 @@ class Membership:
             self.banned.add(peer_id)
         if peer is None:
             return None
+        del self._ids[bisect.bisect_left(self._ids, peer_id)]
         self._account(peer, -1)
         peer.state = state
         self.leaves_total[state] += 1
@@ -288,24 +293,39 @@ class Membership:
 
     # -- views --------------------------------------------------------------------------
 
-    def delta(self, since: int, stage: int | None = None) -> MembershipReply:
+    def delta(
+        self, since: int, stage: int | None = None, *, after: str = "", page: int = 512
+    ) -> MembershipReply:
+        """One page of what changed since version `since`, at most `page` entries (see
+        `protocol.control.MembershipRequest`): a delta complete up to the reply's
+        version, or, when `since` is 0 or older than the log, a page of the full view
+        in peer-id order after `after`."""
+
         def wanted(p: Peer) -> bool:
             return stage is None or p.stage == stage
 
         first = self._log_versions[0] if self._log_versions else self.version + 1
         if since == 0 or since + 1 < first or since > self.version:
-            peers = [p.info() for p in self.live.values() if wanted(p)]
-            return MembershipReply(version=self.version, full=True, peers=peers)
+            i = bisect.bisect_right(self._ids, after) if after else 0
+            ids = self._ids[i : i + page]
+            more = i + page < len(self._ids)
+            peers = [self.live[pid].info() for pid in ids if wanted(self.live[pid])]
+            return MembershipReply(
+                version=self.version, full=True, peers=peers, more=more,
+                cursor=ids[-1] if more else "",
+            )  # fmt: skip
         i = bisect.bisect_right(self._log_versions, since)
-        changed = dict.fromkeys(pid for pid, _ in self._log[i:])
+        chunk = self._log[i : i + page]
+        upto = self._log_versions[i + len(chunk) - 1] if chunk else self.version
         joined, left = [], []
-        for pid in changed:
+        for pid in dict.fromkeys(pid for pid, _ in chunk):
             p = self.live.get(pid)
             if p is not None and wanted(p):
                 joined.append(p.info())
             else:
                 left.append(pid)
-        return MembershipReply(version=self.version, full=False, peers=joined, left=left)
+        more = i + page < len(self._log)
+        return MembershipReply(version=upto, full=False, peers=joined, left=left, more=more)
 
     def _change(self, peer: Peer, change: str) -> None:
         self.version += 1

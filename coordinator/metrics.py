@@ -74,6 +74,13 @@ class CoordinatorMetrics:
             "Malformed or oversized frames received",
             registry=r,
         )
+        self.edge_refusals = Counter(
+            "agora_coordinator_edge_refusals_total",
+            "Connections or requests refused at the edge, by reason (host_connections,"
+            " buffer_budget, frame_deadline, host_rate)",
+            ["reason"],
+            registry=r,
+        )
         self.rejected_connections = Counter(
             "agora_coordinator_rejected_connections_total",
             "Connections refused at the connection limit",

@@ -1,5 +1,11 @@
 """The asyncio control-plane server: connections, group commit, sweeps, restart.
 
+- The edge, before a signature is checked: at most `max_connections` connections, and
+  `max_connections_per_host` from one source (`coordinator.edge.host_key`); the bytes
+  of partial frames across all connections within `max_buffered_bytes`; a frame whole
+  within `frame_deadline_s` of its first byte (`idle_timeout_s` between frames); each
+  request through its source's token bucket (`rate_per_host`). Over any of them the
+  request is refused or the connection closed (`agora_coordinator_edge_refusals_total`).
 - Each connection reads frames, answers them in order through `Service.handle`, waits
   until the changes they made are durable (group commit), then writes the replies.
   Requests on one connection may be pipelined. The ed25519 checks of everything one
@@ -26,6 +32,7 @@ from pathlib import Path
 
 from coordinator.audit import AuditMonitor
 from coordinator.config import CoordinatorConfig
+from coordinator.edge import ByteBudget, HostConnections, host_key
 from coordinator.journal import Batch, Journal
 from coordinator.leases import LeaseBook, Shard, restore_book
 from coordinator.membership import Membership, Peer
@@ -36,6 +43,7 @@ from protocol.control import ErrorReply, HeartbeatRequest
 from protocol.corpus import Manifest
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame_message
+from protocol.message import Message
 from protocol.signing import SignedRequest
 
 log = logging.getLogger(__name__)
@@ -200,6 +208,8 @@ class CoordinatorServer:
         )
         self.store = store
         self.connections = 0
+        self.host_connections = HostConnections(cfg.max_connections_per_host)
+        self.buffered = ByteBudget(cfg.max_buffered_bytes)  # partial frames, all connections
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -223,7 +233,7 @@ class CoordinatorServer:
             self._client,
             self.cfg.host,
             self.cfg.port,
-            limit=self.cfg.max_request_bytes,
+            limit=1 << 16,  # bytes the stream reader holds ahead (frames are in `_Conn`)
             backlog=4096,
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
@@ -273,6 +283,7 @@ class CoordinatorServer:
                 svc.rebalance()
             svc.sample_progress(now)
             svc.limiter.prune(now)
+            svc.host_limiter.prune(now)
             self._refresh_gauges()
             if self.cfg.prometheus_sd and svc.membership.version != self._sd_version:
                 self._sd_version = svc.membership.version
@@ -309,63 +320,124 @@ class CoordinatorServer:
 
     # -- connections --------------------------------------------------------------------
 
+    @staticmethod
+    def _refuse(writer: asyncio.StreamWriter, detail: str) -> None:
+        try:
+            writer.write(frame_message(ErrorReply(code="too_busy", detail=detail)))
+            writer.close()
+        except (OSError, RuntimeError):
+            pass
+
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.connections >= self.cfg.max_connections:
-            self.metrics.rejected_connections.inc()
-            try:
-                writer.write(frame_message(ErrorReply(code="too_busy", detail="connection limit")))
-                writer.close()
-            except (OSError, RuntimeError):
-                pass
-            return
-        self.connections += 1
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        source = host_key(host)
+        if self.connections >= self.cfg.max_connections:
+            self.metrics.rejected_connections.inc()
+            self._refuse(writer, "connection limit")
+            return
+        if not self.host_connections.enter(source):
+            self.metrics.rejected_connections.inc()
+            self.metrics.edge_refusals.labels("host_connections").inc()
+            self._refuse(writer, "connection limit for this source address")
+            return
+        self.connections += 1
+        conn = _Conn(FrameDecoder(max_frame=self.cfg.max_request_bytes))
         try:
-            await self._serve(reader, writer, host)
+            await self._serve(reader, writer, host, source, conn)
         except (OSError, asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
         except StoreFailed:
             pass
         finally:
             self.connections -= 1
+            self.host_connections.leave(source)
+            self.buffered.resize(conn.charged, 0)
             writer.close()
 
+    async def _read(self, reader: asyncio.StreamReader, conn: _Conn) -> bytes | None:
+        """The next bytes, b"" at end of stream, or None once the frame in progress
+        passed `frame_deadline_s`. Between frames a read waits up to `idle_timeout_s`
+        (TimeoutError past it)."""
+        if not conn.decoder.partial:
+            return await asyncio.wait_for(reader.read(1 << 16), self.cfg.idle_timeout_s)
+        left = conn.frame_started + self.cfg.frame_deadline_s - time.monotonic()
+        try:
+            return await asyncio.wait_for(reader.read(1 << 16), max(0.0, left))
+        except TimeoutError:
+            return None
+
     async def _serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        host: str,
+        source: str,
+        conn: _Conn,
     ) -> None:
-        decoder = FrameDecoder(max_frame=self.cfg.max_request_bytes)
+        decoder = conn.decoder
         svc, m = self.service, self.metrics
         while True:
-            data = await asyncio.wait_for(reader.read(1 << 16), self.cfg.idle_timeout_s)
+            data = await self._read(reader, conn)
+            if data is None:
+                m.edge_refusals.labels("frame_deadline").inc()
+                detail = f"frame not complete within frame_deadline_s={self.cfg.frame_deadline_s}"
+                writer.write(frame_message(ErrorReply(code="bad_frame", detail=detail)))
+                await asyncio.wait_for(writer.drain(), self.cfg.frame_deadline_s)
+                return
             if not data:
                 return
-            close = False
+            tail: ErrorReply | None = None  # sent after the replies; then the connection closes
+            was_partial = decoder.partial
             try:
                 payloads = decoder.feed(data)
             except ProtocolError as exc:
                 m.bad_frames.inc()
-                payloads, close = [], True
-                bad = ErrorReply(code="bad_frame", detail=str(exc)[:512])
+                payloads = []
+                tail = ErrorReply(code="bad_frame", detail=str(exc)[:512])
+            if decoder.partial and (payloads or not was_partial):
+                conn.frame_started = time.monotonic()  # a frame began in this read
+            if not self.buffered.resize(conn.charged, decoder.buffered):
+                m.edge_refusals.labels("buffer_budget").inc()
+                tail = ErrorReply(code="too_busy", detail="request buffer budget exhausted")
+            else:
+                conn.charged = decoder.buffered
             t0 = time.perf_counter()
-            reqs: list[SignedRequest] = []
-            unopened: BadFrame | None = None
+            now = time.time()
+            # each request passes the source's bucket before its signature is checked
+            entries: list[SignedRequest | ErrorReply] = []
             for payload in payloads:
                 try:
-                    reqs.append(svc.open(payload))
-                except BadFrame as exc:
-                    unopened = exc  # answer what came before it, then close
+                    req = svc.open(payload)
+                except BadFrame as exc:  # answer what came before it, then close
+                    m.bad_frames.inc()
+                    tail = ErrorReply(code="bad_frame", detail=str(exc)[:512])
                     break
+                if svc.host_limiter.allow(source, now):
+                    entries.append(req)
+                else:
+                    m.edge_refusals.labels("host_rate").inc()
+                    entries.append(
+                        ErrorReply(
+                            code="rate_limited", detail="too many requests from this address"
+                        )
+                    )
+            reqs = [e for e in entries if isinstance(e, SignedRequest)]
             if self._verify_pool is not None and reqs:
                 oks = await asyncio.get_running_loop().run_in_executor(
-                    self._verify_pool, signatures_ok, reqs
+                    self._verify_pool, signatures_ok, reqs, self.cfg.run_id
                 )
             else:
-                oks = signatures_ok(reqs)
+                oks = signatures_ok(reqs, self.cfg.run_id)
+            verdicts = iter(oks)
             replies: list[bytes] = []
             methods: list[str] = []
-            for req, ok in zip(reqs, oks, strict=True):
-                method, reply = svc.apply(req, ok, host, time.time())
+            for entry in entries:
+                reply: Message
+                if isinstance(entry, ErrorReply):
+                    method, reply = "unknown", entry
+                else:
+                    method, reply = svc.apply(entry, next(verdicts), host, time.time())
                 if isinstance(reply, ErrorReply):
                     m.errors.labels(reply.code).inc()
                 try:
@@ -374,20 +446,27 @@ class CoordinatorServer:
                     err = ErrorReply(code="internal", detail=f"reply too large: {exc}")
                     replies.append(frame_message(err))
                 methods.append(method)
-            if unopened is not None:
-                m.bad_frames.inc()
-                detail = str(unopened)[:512]
-                replies.append(frame_message(ErrorReply(code="bad_frame", detail=detail)))
-                close = True
-            if close and not payloads:
-                replies.append(frame_message(bad))
+            if tail is not None:
+                replies.append(frame_message(tail))
             await self.commits.durable()
             writer.write(b"".join(replies))
-            await writer.drain()
+            # a peer that does not read its replies is not waited for forever
+            await asyncio.wait_for(writer.drain(), self.cfg.idle_timeout_s)
             took = time.perf_counter() - t0
             for method in methods:
                 if method == HeartbeatRequest.TYPE:
                     m.heartbeat_latency.observe(took)
                 m.rpc_latency.labels(method).observe(took)
-            if close:
+            if tail is not None:
                 return
+
+
+class _Conn:
+    """One connection's frame decoder and what it holds of the buffer budget."""
+
+    __slots__ = ("charged", "decoder", "frame_started")
+
+    def __init__(self, decoder: FrameDecoder) -> None:
+        self.decoder = decoder
+        self.charged = 0  # bytes of `CoordinatorServer.buffered` this connection holds
+        self.frame_started = 0.0  # monotonic seconds: the first byte of the partial frame

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
+from coordinator.edge import RateLimiter
 from coordinator.facilities import FacilityBook, PlacementPolicy
 from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError
@@ -30,6 +31,7 @@ from protocol.signing import (
     SignedRequest,
     decode_body,
     open_envelope,
+    request_scope,
     signed_bytes,
 )
 
@@ -38,33 +40,6 @@ log = logging.getLogger(__name__)
 
 class BadFrame(Exception):
     """The frame is not a decodable signed request; the connection gets closed."""
-
-
-class RateLimiter:
-    """Token bucket per key; idle buckets are dropped by `prune`."""
-
-    __slots__ = ("_buckets", "burst", "rate")
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst  # requests/s, requests
-        self._buckets: dict[bytes, list[float]] = {}
-
-    def allow(self, key: bytes, now: float) -> bool:
-        b = self._buckets.get(key)
-        if b is None:
-            self._buckets[key] = [self.burst - 1, now]
-            return True
-        tokens = min(self.burst, b[0] + (now - b[1]) * self.rate)
-        b[1] = now
-        if tokens < 1:
-            b[0] = tokens
-            return False
-        b[0] = tokens - 1
-        return True
-
-    def prune(self, now: float) -> None:
-        full = self.burst / self.rate
-        self._buckets = {k: b for k, b in self._buckets.items() if now - b[1] < full}
 
 
 def _err(code: str, detail: str) -> c.ErrorReply:
@@ -93,8 +68,12 @@ class Service:
         self.metrics = metrics
         self.paused = paused
         self.started = time.time()
-        self.guard = ReplayGuard(skew_s=cfg.clock_skew_s)
-        self.limiter = RateLimiter(cfg.rate_per_peer, cfg.rate_burst)
+        # signatures made before this process started are refused: the nonces an
+        # earlier process saw are not kept (see docs/reliability.md, Hostile input)
+        self.guard = ReplayGuard(skew_s=cfg.clock_skew_s, not_before=self.started)
+        self.limiter = RateLimiter(cfg.rate_per_peer, cfg.rate_burst)  # per key
+        # per source host (`edge.host_key`), applied by the server before signatures
+        self.host_limiter = RateLimiter(cfg.rate_per_host, cfg.host_burst)
         self.peer_ids = PeerIds()
         self.allowlist = set(cfg.allowlist)
         # only training shards are served: a member that held the held-out shards could
@@ -127,7 +106,7 @@ class Service:
     def handle(self, payload: bytes, host: str, now: float) -> tuple[str, Message]:
         """Answer one frame payload; returns (method name, reply). Raises `BadFrame`."""
         req = self.open(payload)
-        return self.apply(req, signature_ok(req), host, now)
+        return self.apply(req, signature_ok(req, self.cfg.run_id), host, now)
 
     def open(self, payload: bytes) -> SignedRequest:
         """Decode a frame payload into a signed request (not yet verified); `BadFrame`."""
@@ -142,7 +121,12 @@ class Service:
         """Answer an opened request whose signature check gave `verified` (see
         `signature_ok`; the server may run those checks off the event loop)."""
         if not verified:
-            return "unknown", _err("bad_signature", "signature does not verify")
+            scope = "no run" if req.any_run else f"run {self.cfg.run_id!r}"
+            return "unknown", _err("bad_signature", f"signature does not verify for {scope}")
+        # the per-key bucket before the replay guard: a flood is refused before its
+        # nonces could crowd live ones out of the guard's table
+        if not self.limiter.allow(req.key, now):
+            return "unknown", _err("rate_limited", "too many requests from this key; back off")
         try:
             self.guard.check(req.key, req.nonce, req.ts, now)
         except ProtocolError as exc:
@@ -152,8 +136,11 @@ class Service:
         except ProtocolError as exc:
             return "unknown", _err("bad_request", str(exc))
         method = body.TYPE
-        if not self.limiter.allow(req.key, now):
-            return method, _err("rate_limited", "too many requests from this key; back off")
+        if req.any_run and not isinstance(body, c.StatusRequest):
+            return method, _err(
+                "bad_request", f"only a status request may be signed for no run; sign for run"
+                f" {self.cfg.run_id!r} (StatusReply.run_id)",
+            )  # fmt: skip
         try:
             return method, self._dispatch(req.key, body, host, now)
         except LeaseError as exc:
@@ -300,7 +287,9 @@ class Service:
         )
 
     def _membership(self, peer: Peer, req: c.MembershipRequest, now: float) -> Message:
-        return self.membership.delta(req.since, req.stage)
+        return self.membership.delta(
+            req.since, req.stage, after=req.after, page=self.cfg.membership_page_peers
+        )
 
     def _manifest(self, peer: Peer, req: c.ManifestRequest, now: float) -> Message:
         return self.manifest
@@ -474,20 +463,18 @@ class Service:
         )
 
 
-def _signed(req: SignedRequest) -> bytes:
-    # verify the signature apart from the replay check so each gets its own error code
-    return signed_bytes(req.key, req.ts, req.nonce, req.body)
-
-
-def signature_ok(req: SignedRequest) -> bool:
-    """Whether the request's signature verifies (thread-safe: no shared state)."""
+def signature_ok(req: SignedRequest, run: str) -> bool:
+    """Whether the request's signature verifies for `run` (or for no run, where the
+    envelope says so); thread-safe: no shared state. Checked apart from the replay
+    guard so each gets its own error code."""
     try:
-        verify(req.key, req.sig, _signed(req))
+        raw = signed_bytes(req.key, req.ts, req.nonce, req.body, run=request_scope(req, run))
+        verify(req.key, req.sig, raw)
     except ProtocolError:
         return False
     return True
 
 
-def signatures_ok(reqs: list[SignedRequest]) -> list[bool]:
+def signatures_ok(reqs: list[SignedRequest], run: str) -> list[bool]:
     """`signature_ok` for a batch (one hop to a verify thread for a whole read)."""
-    return [signature_ok(r) for r in reqs]
+    return [signature_ok(r, run) for r in reqs]

@@ -28,7 +28,7 @@ from protocol.signing import sign_request
 
 
 def fetch_status(host: str, port: int, *, timeout_s: float = 10.0) -> StatusReply:
-    req = sign_request(NodeKey.generate(), StatusRequest(), now=time.time())
+    req = sign_request(NodeKey.generate(), StatusRequest(), now=time.time(), run=None)
     dec = FrameDecoder()
     with socket.create_connection((host, port), timeout=timeout_s) as s:
         s.settimeout(timeout_s)

@@ -1,11 +1,15 @@
 """Trio client of the coordinator's control plane (see `protocol.control` for the calls).
 
 One TCP connection, one request in flight at a time, every request signed with the
-node key. Every call has a deadline. While the coordinator is away (connection refused
+node key for the coordinator's run: before its first other request the client asks the
+status (signed for no run, the one request a coordinator takes so) and signs everything
+after for `StatusReply.run_id`. Every call has a deadline. While the coordinator is away (connection refused
 or cut, `too_busy`, `rate_limited`, `internal`) calls retry with jittered exponential
 back-off until `retry_deadline_s`, then raise `CoordinatorUnavailable`. Refusals raise
 `CoordinatorError` (`FencedError` for a fenced lease, `NotMemberError` when the
-membership lapsed). `heartbeat_loop` keeps the membership and all leases alive, re-joins
+membership lapsed). A `replay` refusal is retried too: each attempt is signed
+afresh, so it only means a clock behind the coordinator's or a request signed before
+a coordinator restart. `heartbeat_loop` keeps the membership and all leases alive, re-joins
 after a lapse and rides out outages. Imports only `protocol`.
 """
 
@@ -22,6 +26,7 @@ from typing import Any
 import trio
 
 from protocol import control as c
+from protocol.addrs import cap
 from protocol.corpus import Manifest
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame_message
@@ -31,7 +36,7 @@ from protocol.signing import sign_request
 
 log = logging.getLogger(__name__)
 
-RETRY_CODES = ("too_busy", "rate_limited", "internal")
+RETRY_CODES = ("too_busy", "rate_limited", "internal", "replay")
 
 
 class CoordinatorError(Exception):
@@ -64,17 +69,22 @@ class ClientConfig:
     backoff_initial_s: float = 0.1  # seconds before the first retry
     backoff_max_s: float = 5.0  # seconds, cap of the exponential back-off
     max_frame_bytes: int = 8 << 20  # bytes
+    max_membership_pages: int = 1000  # pages one membership refresh may take
 
 
 class MembershipView:
-    """The node's copy of the membership view, kept current with deltas."""
+    """The node's copy of the membership view, kept current with deltas (one page at a
+    time; `CoordinatorClient.membership` assembles the pages of a full view)."""
 
     def __init__(self) -> None:
         self.version = 0
         self.peers: dict[str, c.PeerInfo] = {}
 
     def apply(self, reply: c.MembershipReply) -> None:
+        """Adopt one delta page, or a full view that came in one page."""
         if reply.full:
+            if reply.more:
+                raise ValueError("one page of a full view cannot be applied alone")
             self.peers = {}
         for p in reply.peers:
             self.peers[p.peer_id] = p
@@ -98,6 +108,7 @@ class CoordinatorClient:
         self.join_request: c.JoinRequest | None = None
         self.joined: c.JoinReply | None = None
         self.view = MembershipView()
+        self.run_id: str | None = None  # the run requests are signed for (learned once)
         self._announce: list[str] | None = None  # DHT addresses for the next heartbeat
 
     @property
@@ -127,7 +138,18 @@ class CoordinatorClient:
         if self._stream is None:
             self._stream = await trio.open_tcp_stream(self.host, self.port)
             self._decoder = FrameDecoder(max_frame=self.cfg.max_frame_bytes)
-        req = sign_request(self.key, body, now=time.time())
+        if self.run_id is None and not isinstance(body, c.StatusRequest):
+            status = await self._exchange(c.StatusRequest(), None)
+            if not isinstance(status, c.StatusReply):
+                return status  # an error reply: `call` retries or raises
+            self.run_id = status.run_id
+        return await self._exchange(
+            body, None if isinstance(body, c.StatusRequest) else self.run_id
+        )
+
+    async def _exchange(self, body: Message, run: str | None) -> Message:
+        assert self._stream is not None
+        req = sign_request(self.key, body, now=time.time(), run=run)
         await self._stream.send_all(frame_message(req, max_frame=self.cfg.max_frame_bytes))
         while True:
             data = await self._stream.receive_some(1 << 16)
@@ -195,6 +217,10 @@ class CoordinatorClient:
     async def join(self, request: c.JoinRequest | None = None) -> c.JoinReply:
         """Join (or re-join with the last request). The reply holds the run and stage."""
         request = request or self.join_request or c.JoinRequest()
+        # announce at most MAX_ADDRS addresses of at most MAX_CHARS characters
+        request = dataclasses.replace(
+            request, addrs=cap(list(request.addrs)), dht_addrs=cap(list(request.dht_addrs))
+        )
         reply = await self._typed(request, c.JoinReply)
         assert isinstance(reply, c.JoinReply)
         self.join_request, self.joined = request, reply
@@ -215,7 +241,8 @@ class CoordinatorClient:
 
     def announce_dht(self, addrs: list[str]) -> None:
         """Publish new DHT addresses with the next heartbeat (and in any re-join)."""
-        self._announce = list(addrs)
+        addrs = cap(list(addrs))
+        self._announce = addrs
         if self.join_request is not None:
             self.join_request = dataclasses.replace(self.join_request, dht_addrs=list(addrs))
 
@@ -248,14 +275,49 @@ class CoordinatorClient:
                 log.warning("coordinator unavailable: %s", exc)
             await trio.sleep(interval)
 
-    async def membership(self, stage: int | None = None) -> MembershipView:
-        """Bring `self.view` up to date with a delta since its version."""
-        reply = await self._typed(
-            c.MembershipRequest(since=self.view.version, stage=stage), c.MembershipReply
-        )
+    async def _membership_page(
+        self, since: int, stage: int | None, after: str = ""
+    ) -> c.MembershipReply:
+        body = c.MembershipRequest(since=since, stage=stage, after=after)
+        reply = await self._typed(body, c.MembershipReply)
         assert isinstance(reply, c.MembershipReply)
-        self.view.apply(reply)
-        return self.view
+        return reply
+
+    async def membership(self, stage: int | None = None) -> MembershipView:
+        """Bring `self.view` up to date, page by page (see `MembershipRequest`): delta
+        pages from its version; or the pages of a full view, adopted whole once the last
+        arrived, then the changes made while they were read. At most
+        `max_membership_pages` pages, else `CoordinatorError("bad_reply")`."""
+        view, pages = self.view, 0
+
+        async def page(since: int, after: str = "") -> c.MembershipReply:
+            nonlocal pages
+            pages += 1
+            if pages > self.cfg.max_membership_pages:
+                raise CoordinatorError(
+                    "bad_reply", f"membership took over {self.cfg.max_membership_pages} pages"
+                )
+            return await self._membership_page(since, stage, after)
+
+        reply = await page(view.version)
+        while True:
+            if reply.full:
+                base, fresh = reply.version, {p.peer_id: p for p in reply.peers}
+                while reply.more:
+                    if not reply.cursor:
+                        raise CoordinatorError("bad_reply", "a full-view page without a cursor")
+                    reply = await page(0, reply.cursor)
+                    if not reply.full:
+                        raise CoordinatorError("bad_reply", "a delta inside a full view")
+                    fresh.update((p.peer_id, p) for p in reply.peers)
+                view.peers, view.version = fresh, base
+                if reply.version == base:
+                    return view  # nothing changed while the pages were read
+            else:
+                view.apply(reply)
+                if not reply.more:
+                    return view
+            reply = await page(view.version)
 
     async def leave(self) -> None:
         await self._typed(c.LeaveRequest(), c.OkReply, retry=False)

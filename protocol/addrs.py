@@ -3,7 +3,9 @@
 Addresses come from other participants (a join, a heartbeat), so they are validated at
 the coordinator's edge, once, with a strict grammar: `/proto[/value]` components from a
 fixed list, each value checked (IP addresses, ports, DNS names, base58 peer ids), at
-most `MAX_COMPONENTS` components and `MAX_CHARS` characters. Everything accepted here is
+most `MAX_COMPONENTS` components and `MAX_CHARS` characters; a member announces at most
+`MAX_ADDRS` of them per list (`fit` keeps the first that pass). The bounds keep a
+member's entry small, so a membership page of many members fits one reply frame. Everything accepted here is
 an address py-multiaddr parses; much that it parses is refused here (exotic protocols
 have no business in an Agora run). Pure: no sockets, no name resolution.
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 import ipaddress
 import re
 
-MAX_CHARS = 512  # characters in one multiaddr
+MAX_CHARS = 256  # characters in one multiaddr
+MAX_ADDRS = 8  # multiaddrs in one list a member announces (listen, DHT, relays)
 MAX_COMPONENTS = 12  # /proto/value pairs count one each
 
 _BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")
@@ -121,3 +124,16 @@ def multiaddr_problem(addr: object) -> str | None:
         if components > MAX_COMPONENTS:
             return f"{addr[:64]!r}: more than {MAX_COMPONENTS} components"
     return None
+
+
+def cap(addrs: list[str]) -> list[str]:
+    """The first `MAX_ADDRS` of `addrs` within `MAX_CHARS` characters: what a node
+    announces (a host with many interfaces lists more; the grammar is still checked by
+    the coordinator, which refuses a request with a bad address)."""
+    return [a for a in addrs if len(a) <= MAX_CHARS][:MAX_ADDRS]
+
+
+def fit(addrs: list[str]) -> list[str]:
+    """The first `MAX_ADDRS` of `addrs` that are acceptable (what a node announces, and
+    what a coordinator keeps of an entry stored under older, looser bounds)."""
+    return [a for a in addrs if multiaddr_problem(a) is None][:MAX_ADDRS]

@@ -23,9 +23,16 @@ Node-facing calls (request -> reply):
   current stage (`moved` is true when the coordinator rebalanced it: load the new
   stage's state from peers) and `drain` (finish the round, commit, release, leave).
   A node whose membership lapsed gets `ErrorReply(code="not_member")` and re-joins.
-- `MembershipRequest(since=v)` -> `MembershipReply`: peers that joined or changed since
-  version `v` (`peers`) and peer ids that left (`left`); `full` is true when the reply
-  is a complete view (v = 0, or v older than the change log).
+- `MembershipRequest(since=v)` -> `MembershipReply`: one page of at most the
+  coordinator's page size (<= `MAX_PEERS_PER_PAGE`) entries, so a reply always fits a
+  frame. A delta page (`full` false) lists the peers that joined or changed (`peers`,
+  current entries) and the ids that left (`left`) among the changes after `v`, complete
+  up to `version`; `more` is true when later changes remain: ask again with
+  `since=version`. When `v` is 0 or older than the change log the reply is a page of
+  the full view (`full` true) in peer-id order: its `version` is the view's at that
+  moment; while `more`, ask for the next page with `since=0, after=cursor`. Once the
+  last page arrived, ask `since=` the first page's version for the changes made while
+  paging (`node.coordinator_client.CoordinatorClient.membership` does all this).
 - `LeaseAcquire` -> `LeaseGrant`: a data lease, or `lease=None` with a `reason`
   ("no_shards", "deadline", "max_leases", "paused"). A lease covers the token range
   `[committed, limit)` of one shard. `limit` is below the shard end when the node's
@@ -42,7 +49,9 @@ Node-facing calls (request -> reply):
 - `ShardFetch(shard_id)` -> `ShardData`: the shard's bytes and sha256 (verify it).
 - `LeaveRequest` -> `OkReply`: leave cleanly (releases every lease).
 - `StatusRequest` -> `StatusReply`: read-only run summary; any valid signature will do
-  (an ephemeral key is fine), membership is not required.
+  (an ephemeral key is fine), membership is not required. It is the one request a
+  coordinator takes signed for no run (`sign_request(..., run=None)`); every other
+  request must be signed for `StatusReply.run_id`.
 
 Admin calls carry `admin_token` and answer `OkReply` or `ErrorReply(code="forbidden")`:
 `AdminDrain(peer_id)`, `AdminBan(peer_id)`, `AdminPause(paused)`.
@@ -50,12 +59,17 @@ Admin calls carry `admin_token` and answer `OkReply` or `ErrorReply(code="forbid
 
 from __future__ import annotations
 
-from protocol.addrs import multiaddr_problem
+from protocol.addrs import MAX_ADDRS, multiaddr_problem
 from protocol.message import Message, bounded, message, record
 
-MAX_PEERS_IN_REPLY = 200_000  # items
-MAX_ADDRS = 16  # listen multiaddrs per peer
+__all__ = ["MAX_ADDRS"]  # re-exported: the bound of every address list below
+
+MAX_PEERS_PER_PAGE = 4096  # entries (peers + left) in one MembershipReply
 PEER_ID_LEN = 128  # characters, upper bound on a base58 peer id
+# bytes, upper bound on one encoded PeerInfo within the bounds below (two lists of
+# MAX_ADDRS addresses of MAX_CHARS characters, a peer id, a device); a membership page
+# of n entries fits a reply frame of n * MAX_PEER_INFO_BYTES + 4096 bytes
+MAX_PEER_INFO_BYTES = 5120
 
 ERROR_CODES = (
     "bad_request",  # malformed or invalid request (detail says what)
@@ -118,7 +132,9 @@ class PeerInfo(Message):
 
     peer_id: str = bounded(max_len=PEER_ID_LEN)
     stage: int = bounded(ge=0)
-    addrs: list[str] = bounded(max_len=MAX_ADDRS)  # libp2p multiaddrs
+    # libp2p multiaddrs; checked by the node entry by entry (node/peer_view.py), so one
+    # bad entry costs its member, not the whole reply
+    addrs: list[str] = bounded(max_len=MAX_ADDRS)
     dht_addrs: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)  # hivemind DHT
     device: str = bounded(max_len=64)
     throughput: float = bounded(ge=0.0)  # tokens/s
@@ -220,14 +236,17 @@ class HeartbeatReply(Message):
 class MembershipRequest(Message):
     since: int = bounded(ge=0, default=0)  # membership version already known
     stage: int | None = bounded(ge=0, default=None)  # only peers of this stage
+    after: str = bounded(max_len=PEER_ID_LEN, default="")  # full view: the page after this id
 
 
 @message("membership.reply", version=1)
 class MembershipReply(Message):
-    version: int = bounded(ge=0)
-    full: bool = False  # `peers` is the whole view; forget everything else
-    peers: list[PeerInfo] = bounded(max_len=MAX_PEERS_IN_REPLY, default_factory=list)
-    left: list[str] = bounded(max_len=MAX_PEERS_IN_REPLY, default_factory=list)
+    version: int = bounded(ge=0)  # the view is complete up to this version (see above)
+    full: bool = False  # a page of the whole view (peer-id order), not a delta
+    peers: list[PeerInfo] = bounded(max_len=MAX_PEERS_PER_PAGE, default_factory=list)
+    left: list[str] = bounded(max_len=MAX_PEERS_PER_PAGE, default_factory=list)
+    more: bool = False  # another page follows (delta: since=version; full: after=cursor)
+    cursor: str = bounded(max_len=PEER_ID_LEN, default="")  # full view: the next `after`
 
 
 @message("manifest.get", version=1)

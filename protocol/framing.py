@@ -54,6 +54,11 @@ class FrameDecoder:
         """Bytes held that do not yet form a complete frame."""
         return len(self._buf)
 
+    @property
+    def partial(self) -> bool:
+        """A frame has begun (header or payload bytes held) but is not complete."""
+        return self._need is not None or bool(self._buf)
+
     def feed(self, data: bytes) -> list[bytes]:
         """Add bytes; return every payload completed by them, in order.
 

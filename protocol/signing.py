@@ -1,9 +1,15 @@
 """Signed, replay-protected control-plane requests.
 
 A `SignedRequest` wraps the encoded body with the sender's public key, a timestamp, a
-random nonce and an ed25519 signature over all of them. `ReplayGuard` refuses requests
-outside the clock-skew window and any (key, nonce) pair seen within it. Sans-I/O: the
-caller passes the current time.
+random nonce and an ed25519 signature over all of them and the run id, so a request
+signed for one run is refused by any other run where the same key is a member. A
+request signed with `run=None` (`any_run`) is bound to no run: the coordinator accepts
+only a read-only status request in that form, which is how a client learns the run id
+before its first bound request. `ReplayGuard` refuses requests outside the clock-skew
+window, any (key, nonce) pair seen within it, and anything signed before its
+`not_before` (the coordinator's start: nonces seen by an earlier process are not
+remembered) or at or before the newest timestamp it had to forget to stay bounded.
+Sans-I/O: the caller passes the current time.
 
 Both layers are decoded under tight msgpack limits. The envelope is read before its
 signature is checked, so anyone can send one: it is one flat map of a few scalars and
@@ -28,7 +34,8 @@ ENVELOPE_MAX_MAP = 16  # entries of the envelope map (7 today; newer fields are 
 ENVELOPE_MAX_STR = 64  # bytes of a str in the envelope (the type tag and field names)
 REQUEST_MAX_ITEMS = 4096  # items of one array or map in a request body (a facility report)
 REQUEST_MAX_STR = 4096  # bytes of one str in a request body (the longest bounded field)
-_DOMAIN = b"agora/request/v1\0"
+_DOMAIN = b"agora/request/v2\0"
+MAX_RUN_ID = 128  # bytes of the run id in the signed bytes (RunInfo.run_id)
 
 
 @message("signed", version=1)
@@ -38,6 +45,7 @@ class SignedRequest(Message):
     nonce: bytes = bounded(min_len=NONCE_SIZE, max_len=NONCE_SIZE)
     body: bytes  # an encoded message
     sig: bytes = bounded(min_len=64, max_len=64)
+    any_run: bool = False  # signed for no run (only a status request may be)
 
 
 def envelope_limits(max_size: int) -> UnpackLimits:
@@ -68,41 +76,72 @@ def decode_body(req: SignedRequest, *, max_size: int = DEFAULT_MAX_FRAME) -> Mes
     return decode(req.body, max_size=max_size, limits=request_limits(max_size))
 
 
-def signed_bytes(key: bytes, ts: float, nonce: bytes, body: bytes) -> bytes:
-    return _DOMAIN + key + struct.pack(">d", ts) + nonce + body
+def signed_bytes(key: bytes, ts: float, nonce: bytes, body: bytes, *, run: str | None) -> bytes:
+    """The bytes a request's signature covers; `run=None` binds it to no run."""
+    scope = b"\xff" if run is None else run.encode()  # 0xff never occurs in UTF-8
+    if len(scope) > MAX_RUN_ID:
+        raise ProtocolError(f"run id of {len(scope)} bytes, above {MAX_RUN_ID}")
+    return _DOMAIN + bytes([len(scope)]) + scope + key + struct.pack(">d", ts) + nonce + body
 
 
-def sign_request(node_key: NodeKey, body: Message, *, now: float) -> SignedRequest:
+def request_scope(req: SignedRequest, run: str) -> str | None:
+    """The run whose signed bytes `req` must verify against on a server of `run`."""
+    return None if req.any_run else run
+
+
+def sign_request(node_key: NodeKey, body: Message, *, now: float, run: str | None) -> SignedRequest:
+    """Sign `body` for `run` (None: for no run; servers take only a status request so)."""
     raw = encode(body)
     nonce = secrets.token_bytes(NONCE_SIZE)
-    sig = node_key.sign(signed_bytes(node_key.public_key, now, nonce, raw))
-    return SignedRequest(key=node_key.public_key, ts=now, nonce=nonce, body=raw, sig=sig)
+    sig = node_key.sign(signed_bytes(node_key.public_key, now, nonce, raw, run=run))
+    return SignedRequest(
+        key=node_key.public_key, ts=now, nonce=nonce, body=raw, sig=sig, any_run=run is None
+    )
 
 
 class ReplayGuard:
-    """Remembers recent nonces; bounded in memory by `max_entries`."""
+    """Remembers recent nonces; bounded in memory by `max_entries`.
 
-    __slots__ = ("_seen", "max_entries", "skew_s")
+    A nonce is remembered until its request leaves the skew window. Requests signed
+    before `not_before` are refused (their nonces may have been seen by an earlier
+    process). When the table is full, the oldest entry is forgotten early and
+    `floor` rises to its timestamp: a request signed at or before the floor is
+    refused, so a forgotten nonce can never be replayed."""
 
-    def __init__(self, *, skew_s: float = 60.0, max_entries: int = 1_000_000) -> None:
+    __slots__ = ("_seen", "floor", "max_entries", "not_before", "skew_s")
+
+    def __init__(
+        self, *, skew_s: float = 60.0, max_entries: int = 1_000_000, not_before: float = 0.0
+    ) -> None:
         self.skew_s = skew_s  # seconds of allowed clock difference
-        self.max_entries = max_entries
-        self._seen: OrderedDict[bytes, float] = OrderedDict()  # key+nonce -> expiry
+        self.max_entries = max_entries  # nonces remembered
+        self.not_before = not_before  # unix seconds; older signatures are refused
+        self.floor = float("-inf")  # unix seconds; the newest timestamp forgotten early
+        self._seen: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # -> (expiry, ts)
 
     def check(self, key: bytes, nonce: bytes, ts: float, now: float) -> None:
+        """Refuse (ProtocolError) or remember the request's nonce."""
         if abs(now - ts) > self.skew_s:
             raise ProtocolError(
                 f"request timestamp is {now - ts:+.1f}s off, outside the ±{self.skew_s}s window"
             )
+        if ts < self.not_before:
+            raise ProtocolError(
+                f"request signed {self.not_before - ts:.1f}s before this coordinator started"
+            )
+        if ts <= self.floor:
+            raise ProtocolError("request older than the replay window still remembered")
         while self._seen:
-            oldest, expiry = next(iter(self._seen.items()))
+            oldest, (expiry, seen_ts) = next(iter(self._seen.items()))
             if expiry > now and len(self._seen) < self.max_entries:
                 break
+            if expiry > now:  # still live: forgotten early, so refuse all that old
+                self.floor = max(self.floor, seen_ts)
             del self._seen[oldest]
         ident = key + nonce
         if ident in self._seen:
             raise ProtocolError("replayed request (nonce already seen)")
-        self._seen[ident] = ts + 2 * self.skew_s
+        self._seen[ident] = (ts + 2 * self.skew_s, ts)
 
 
 def verify_request(
@@ -110,9 +149,18 @@ def verify_request(
     *,
     now: float,
     guard: ReplayGuard,
+    run: str,
+    any_run_types: tuple[type[Message], ...] = (),
     max_size: int = DEFAULT_MAX_FRAME,
 ) -> Message:
-    """Check signature, time window and replay; return the decoded body."""
-    verify_signature(req.key, req.sig, signed_bytes(req.key, req.ts, req.nonce, req.body))
+    """Check signature (for `run`, or for no run where the body is one of
+    `any_run_types`), time window and replay; return the decoded body."""
+    scope = request_scope(req, run)
+    verify_signature(
+        req.key, req.sig, signed_bytes(req.key, req.ts, req.nonce, req.body, run=scope)
+    )
     guard.check(req.key, req.nonce, req.ts, now)
-    return decode_body(req, max_size=max_size)
+    body = decode_body(req, max_size=max_size)
+    if scope is None and not isinstance(body, any_run_types):
+        raise ProtocolError(f"a {body.TYPE!r} request must be signed for run {run!r}")
+    return body

@@ -123,12 +123,12 @@ def test_bad_frames_flood_auth_admin_and_replay(tmp_path: Path) -> None:
     trio.run(admin)
 
     # a replayed signed request is refused
-    signed = frame_message(sign_request(key, c.StatusRequest(), now=time.time()))
+    signed = frame_message(sign_request(key, c.StatusRequest(), now=time.time(), run=None))
     first, second = _raw(coord.port, signed + signed)
     assert isinstance(first, c.StatusReply)
     assert isinstance(second, c.ErrorReply) and second.code == "replay"
     # a request signed by another key is refused
-    req = sign_request(key, c.StatusRequest(), now=time.time())
+    req = sign_request(key, c.StatusRequest(), now=time.time(), run=None)
     forged = type(req)(
         key=NodeKey.generate().public_key, ts=req.ts, nonce=req.nonce, body=req.body, sig=req.sig
     )
@@ -199,7 +199,7 @@ def test_nested_msgpack_is_refused_while_it_is_read(tmp_path: Path) -> None:
         body = msgpack.packb({"t": "status", "v": 1, "junk": [[]] * 5000})
         now = time.time()
         nonce = secrets.token_bytes(NONCE_SIZE)
-        sig = key.sign(signed_bytes(key.public_key, now, nonce, body))
+        sig = key.sign(signed_bytes(key.public_key, now, nonce, body, run="test-run"))
         req = SignedRequest(key=key.public_key, ts=now, nonce=nonce, body=body, sig=sig)
         (reply,) = _raw(coord.port, frame_message(req))
         assert isinstance(reply, c.ErrorReply) and reply.code == "bad_request"

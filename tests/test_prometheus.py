@@ -34,7 +34,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol.control import HeartbeatRequest, JoinRequest, LeaveRequest
+from protocol.control import (
+    HeartbeatRequest,
+    JoinRequest,
+    LeaveRequest,
+    StatusReply,
+    StatusRequest,
+)
 from protocol.framing import FrameDecoder, frame_message
 from protocol.identity import NodeKey
 from protocol.message import Message
@@ -157,9 +163,13 @@ class RawPeer:
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         self.decoder = FrameDecoder()
+        self.run: str | None = None  # requests are signed for no run until the status says
+        status = self.call(NodeKey.generate(), StatusRequest())
+        assert isinstance(status, StatusReply), status
+        self.run = status.run_id
 
     def call(self, key: NodeKey, body: Message) -> Message:
-        self.sock.sendall(frame_message(sign_request(key, body, now=time.time())))
+        self.sock.sendall(frame_message(sign_request(key, body, now=time.time(), run=self.run)))
         while True:
             data = self.sock.recv(1 << 16)
             if not data:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import numpy as np
@@ -27,7 +28,7 @@ from protocol import (
 from protocol.codec import UnpackLimits, unpackb
 from protocol.control import ErrorReply
 from protocol.corpus import Manifest, ShardInfo
-from protocol.signing import envelope_limits, open_envelope, request_limits
+from protocol.signing import envelope_limits, open_envelope, request_limits, signed_bytes
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -51,7 +52,7 @@ def _samples() -> list[protocol.Message]:
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)
     return [
         ErrorReply(code="fenced", detail="lease 4 epoch 2 < 3"),
-        sign_request(key, ErrorReply(code="x"), now=1000.0),
+        sign_request(key, ErrorReply(code="x"), now=1000.0, run="r"),
         Manifest(name="m", content_hash="b" * 64, total_tokens=5, train=[shard], heldout=[]),
         EncodedTensor(codec="raw", shape=[2, 3], parts=[TensorFrame.from_numpy(arr)]),
     ]
@@ -206,12 +207,12 @@ def test_signed_requests_verify_once_and_refuse_tampering_replay_and_skew() -> N
     key = NodeKey.generate()
     body = ErrorReply(code="hello")
     guard = ReplayGuard(skew_s=30)
-    req = decode(encode(sign_request(key, body, now=1000.0)))
+    req = decode(encode(sign_request(key, body, now=1000.0, run="r")))
     assert isinstance(req, protocol.SignedRequest)
-    assert verify_request(req, now=1001.0, guard=guard) == body
+    assert verify_request(req, now=1001.0, guard=guard, run="r") == body
     with pytest.raises(ProtocolError, match="replayed"):
-        verify_request(req, now=1002.0, guard=guard)
-    fresh = sign_request(key, body, now=1000.0)
+        verify_request(req, now=1002.0, guard=guard, run="r")
+    fresh = sign_request(key, body, now=1000.0, run="r")
     tampered = protocol.SignedRequest(
         key=fresh.key,
         ts=fresh.ts,
@@ -220,21 +221,61 @@ def test_signed_requests_verify_once_and_refuse_tampering_replay_and_skew() -> N
         sig=fresh.sig,
     )
     with pytest.raises(ProtocolError, match="bad signature"):
-        verify_request(tampered, now=1000.0, guard=guard)
+        verify_request(tampered, now=1000.0, guard=guard, run="r")
     other = NodeKey.generate()
     stolen = protocol.SignedRequest(
         key=other.public_key, ts=fresh.ts, nonce=fresh.nonce, body=fresh.body, sig=fresh.sig
     )
     with pytest.raises(ProtocolError, match="bad signature"):
-        verify_request(stolen, now=1000.0, guard=guard)
+        verify_request(stolen, now=1000.0, guard=guard, run="r")
     with pytest.raises(ProtocolError, match="outside"):
-        verify_request(sign_request(key, body, now=0.0), now=1000.0, guard=guard)
+        verify_request(sign_request(key, body, now=0.0, run="r"), now=1000.0, guard=guard, run="r")
+
+
+def test_a_signature_is_bound_to_its_run_and_unbound_only_for_named_types() -> None:
+    key, body = NodeKey.generate(), ErrorReply(code="hello")
+    guard = ReplayGuard(skew_s=30)
+    for_a = sign_request(key, body, now=1000.0, run="run-a")
+    with pytest.raises(ProtocolError, match="bad signature"):
+        verify_request(for_a, now=1000.0, guard=guard, run="run-b")
+    # the flag is not signed over on its own, but flipping it changes the signed bytes
+    flipped = dataclasses.replace(for_a, any_run=True)
+    with pytest.raises(ProtocolError, match="bad signature"):
+        verify_request(flipped, now=1000.0, guard=guard, run="run-a")
+    unbound = sign_request(key, body, now=1000.0, run=None)
+    assert unbound.any_run
+    with pytest.raises(ProtocolError, match="must be signed for run"):
+        verify_request(unbound, now=1000.0, guard=guard, run="run-a")
+    again = sign_request(key, body, now=1000.0, run=None)
+    assert (
+        verify_request(again, now=1000.0, guard=guard, run="run-a", any_run_types=(ErrorReply,))
+        == body
+    )
+    assert signed_bytes(key.public_key, 1.0, b"n" * 16, b"", run="") != signed_bytes(
+        key.public_key, 1.0, b"n" * 16, b"", run=None
+    )
+
+
+def test_replay_guard_refuses_what_an_earlier_process_or_an_eviction_may_have_seen() -> None:
+    guard = ReplayGuard(skew_s=60, not_before=1000.0)
+    with pytest.raises(ProtocolError, match="before this coordinator started"):
+        guard.check(b"k", b"a" * 16, ts=999.0, now=1001.0)
+    guard.check(b"k", b"a" * 16, ts=1000.5, now=1001.0)
+    # a full table forgets its oldest live nonce early; everything that old is refused
+    small = ReplayGuard(skew_s=60, max_entries=3)
+    for i in range(3):
+        small.check(b"k", bytes([i]) * 16, ts=100.0 + i, now=103.0)
+    small.check(b"k", b"\x09" * 16, ts=103.0, now=103.0)  # evicts the nonce of ts 100
+    assert small.floor == 100.0
+    with pytest.raises(ProtocolError, match="older than the replay window"):
+        small.check(b"k", b"\x00" * 16, ts=100.0, now=104.0)
+    small.check(b"k", b"\x0a" * 16, ts=104.0, now=104.0)
 
 
 def test_replay_guard_memory_is_bounded() -> None:
     guard = ReplayGuard(skew_s=10, max_entries=100)
     for i in range(1000):
-        guard.check(b"k", i.to_bytes(16, "big"), ts=500.0, now=500.0)
+        guard.check(b"k", i.to_bytes(16, "big"), ts=500.0 + i / 1000, now=501.0)
     assert len(guard._seen) <= 100
 
 

@@ -21,9 +21,18 @@ from protocol.signing import sign_request
 MAX_REPLY = 32 << 20  # bytes of one reply frame the attackers accept (a membership view)
 
 
-def signed_frame(key: NodeKey, body: Message, *, now: float | None = None) -> bytes:
-    """`body` signed by `key` (at `now`, default the current time), framed for the wire."""
-    return frame_message(sign_request(key, body, now=time.time() if now is None else now))
+def signed_frame(
+    key: NodeKey, body: Message, *, run: str | None, now: float | None = None
+) -> bytes:
+    """`body` signed by `key` for `run` (at `now`, default the current time), framed for
+    the wire. Only a status request may be signed for no run (`run=None`)."""
+    return frame_message(sign_request(key, body, now=time.time() if now is None else now, run=run))
+
+
+def learn_run(host: str, port: int, *, timeout_s: float = 5.0) -> str:
+    """The run id the coordinator at `host:port` signs for (from its status)."""
+    with Control(host, port, timeout_s=timeout_s) as conn:
+        return conn.run_id()
 
 
 def code(msg: Message) -> str:
@@ -38,6 +47,7 @@ class Control:
         self.sock = socket.create_connection((host, port), timeout=timeout_s)
         self.decoder = FrameDecoder(max_frame=MAX_REPLY)
         self._ready: list[bytes] = []
+        self._run: str | None = None  # learnt from the first status reply
 
     def __enter__(self) -> Control:
         return self
@@ -76,9 +86,21 @@ class Control:
             pass
         return out
 
+    def run_id(self) -> str:
+        """The coordinator's run id, asked once with a status request signed for no run."""
+        if self._run is None:
+            self.send(signed_frame(NodeKey.generate(), c.StatusRequest(), run=None))
+            reply = self.read()
+            if not isinstance(reply, c.StatusReply):
+                raise ConnectionError(f"expected a status reply, got {code(reply)!r}")
+            self._run = reply.run_id
+        return self._run
+
     def call(self, key: NodeKey, body: Message) -> tuple[Message, float]:
-        """Send one signed request; its reply and the round trip in seconds."""
+        """Send one signed request for this coordinator's run; its reply and the round
+        trip in seconds."""
+        run = self.run_id()
         t = time.monotonic()
-        self.send(signed_frame(key, body))
+        self.send(signed_frame(key, body, run=run))
         reply = self.read()
         return reply, time.monotonic() - t

@@ -43,7 +43,7 @@ from protocol.framing import HEADER, frame_message
 from protocol.identity import NodeKey
 from protocol.launch import MAX_JOBS, FacilityJob, FacilityReport
 from protocol.signing import NONCE_SIZE, SignedRequest, signed_bytes
-from swarmlab.chaos.control_wire import Control, code, signed_frame
+from swarmlab.chaos.control_wire import Control, code, learn_run, signed_frame
 
 FLOOD_CONNECTIONS = 400  # idle connections `conn_flood` opens from one address
 DRIPS = 4  # connections `slow_drip` feeds one byte a second
@@ -130,11 +130,11 @@ def amplify(host: str, port: int, hold_s: float) -> dict[str, Any]:
     }
     # Signed by a throw-away key: 1M empty arrays in 250 arrays of 4096 (within the limit)
     body = _tagged_map("status", {"junk": _arrays(250, 4096)})
-    frames = b""
+    frames, run = b"", learn_run(host, port)
     for _ in range(8):
         key, now = NodeKey.generate(), time.time()
         nonce = NONCE_SIZE * b"\1"
-        sig = key.sign(signed_bytes(key.public_key, now, nonce, body))
+        sig = key.sign(signed_bytes(key.public_key, now, nonce, body, run=run))
         req = SignedRequest(key=key.public_key, ts=now, nonce=nonce, body=body, sig=sig)
         frames += frame_message(req, max_frame=2 << 20)
     t = time.monotonic()
@@ -217,7 +217,7 @@ def slow_drip(host: str, port: int, hold_s: float) -> dict[str, Any]:
 
 
 def _lease_calls(conn: Control, key: NodeKey) -> Counter[str]:
-    n = 0
+    n, run = 0, conn.run_id()
     frames = b""
     for lease_id in range(1, 41):
         for epoch in range(3):
@@ -226,7 +226,7 @@ def _lease_calls(conn: Control, key: NodeKey) -> Counter[str]:
                 c.LeaseComplete(lease_id=lease_id, epoch=epoch),
                 c.LeaseRelease(lease_id=lease_id, epoch=epoch),
             ):
-                frames += signed_frame(key, body)
+                frames += signed_frame(key, body, run=run)
                 n += 1
     conn.send(frames)
     return Counter(conn.read_codes(n))
@@ -289,8 +289,11 @@ def forged_facility(host: str, port: int, hold_s: float) -> dict[str, Any]:
 
 
 def key_flood(host: str, port: int, hold_s: float) -> dict[str, Any]:
+    run = learn_run(host, port)
     t = time.monotonic()
-    frames = [signed_frame(NodeKey.generate(), c.HeartbeatRequest()) for _ in range(FLOOD_KEYS)]
+    frames = [
+        signed_frame(NodeKey.generate(), c.HeartbeatRequest(), run=run) for _ in range(FLOOD_KEYS)
+    ]
     made_s = time.monotonic() - t
     codes: Counter[str] = Counter()
     t = time.monotonic()
@@ -300,7 +303,7 @@ def key_flood(host: str, port: int, hold_s: float) -> dict[str, Any]:
             conn.send(b"".join(frames[i * per : (i + 1) * per]))
             codes.update(conn.read_codes(per))
     flood_s = time.monotonic() - t
-    captured = signed_frame(NodeKey.generate(), c.StatusRequest())
+    captured = signed_frame(NodeKey.generate(), c.StatusRequest(), run=run)
     with Control(host, port) as conn:
         conn.send(captured + captured)
         replay = conn.read_codes(2)

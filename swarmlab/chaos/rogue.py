@@ -317,12 +317,12 @@ def _raw_coordinator(host: str, port: int, data: bytes, timeout_s: float = 5.0) 
 def coordinator_attack(host: str, port: int) -> dict[str, Any]:
     """Replayed, unsigned, forged and garbage control requests."""
     key = NodeKey.generate()
-    signed = frame_message(sign_request(key, c.StatusRequest(), now=time.time()))
-    req = sign_request(key, c.StatusRequest(), now=time.time())
+    signed = frame_message(sign_request(key, c.StatusRequest(), now=time.time(), run=None))
+    req = sign_request(key, c.StatusRequest(), now=time.time(), run=None)
     forged = type(req)(
         key=NodeKey.generate().public_key, ts=req.ts, nonce=req.nonce, body=req.body, sig=req.sig
     )
-    stale = sign_request(key, c.StatusRequest(), now=time.time() - 3600)
+    stale = sign_request(key, c.StatusRequest(), now=time.time() - 3600, run=None)
     return {
         "replay": _raw_coordinator(host, port, signed + signed),
         "unsigned": _raw_coordinator(host, port, frame_message(c.StatusRequest())),
