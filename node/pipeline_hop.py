@@ -8,8 +8,9 @@ the micro-batch on (or computes the loss on the last stage) and answers with the
 gradient of its own input. A peer that fails, times out or answers with a gradient that
 does not decode (malformed, NaN, Inf) is avoided for a while (`node.routing.Router`), and
 the micro-batch goes another way. Forwards are served only to members of the previous
-stage, and what a sender computes here is cached under its own peer id, so one member
-cannot replace another's activations. All torch work runs on the node's one
+stage, with at most `max_rows` sequences (the run's micro-batch: a larger block is bad
+input, the sender is banned by the transport), and what a sender computes here is
+cached under its own peer id, so one member cannot replace another's activations. All torch work runs on the node's one
 `TorchWorker` thread; the hop also moves the codecs' byte counts and trained tokens into
 the metrics.
 """
@@ -36,7 +37,6 @@ from protocol.tensors import EncodedTensor, TensorFrame
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 1024  # sequences per micro-batch a peer may send us
 RETRY_WAIT_S = 0.5  # seconds before the first retry of a failed route (doubles, to 8 s)
 
 
@@ -48,8 +48,12 @@ class PipelineHop:
         worker: TorchWorker,
         *,
         request_timeout_s: float,  # seconds a downstream stage has for one micro-batch
+        max_rows: int,  # sequences a served forward may carry: the run's micro-batch
         events: EventLog | None = None,
     ) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        self.max_rows = max_rows
         self.transport = transport
         self.peers = peers
         self.worker = worker
@@ -171,7 +175,7 @@ class PipelineHop:
         key = f"{peer_id}/{msg.mb_id}"  # the sender's own cache entry
         rows = msg.tokens.to_numpy(expect_dtype="uint8", expect_shape=(None, None))
         max_seq = compute.model.config.max_seq_len
-        if not 1 <= rows.shape[0] <= MAX_ROWS or not 2 <= rows.shape[1] <= max_seq + 1:
+        if not 1 <= rows.shape[0] <= self.max_rows or not 2 <= rows.shape[1] <= max_seq + 1:
             raise ProtocolError(f"token block of shape {list(rows.shape)} is out of bounds")
         if compute.is_last:
             grad, loss = await self.worker.run(compute.forward, key, rows, msg.hidden)  # type: ignore[misc]

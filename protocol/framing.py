@@ -28,7 +28,7 @@ def frame_message(msg: Message, *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     return frame(encode(msg), max_frame=max_frame)
 
 
-def read_header(header: bytes, *, max_frame: int = DEFAULT_MAX_FRAME) -> int:
+def read_header(header: bytes | bytearray, *, max_frame: int = DEFAULT_MAX_FRAME) -> int:
     """Parse a 4-byte header and check the declared length against the limit."""
     if len(header) != HEADER_SIZE:
         raise ProtocolError(f"frame header must be {HEADER_SIZE} bytes, got {len(header)}")

@@ -34,15 +34,16 @@ def bounded(
     min_len: int | None = None,
     choices: tuple[str, ...] | None = None,
     each: Callable[[Any], str | None] | None = None,
+    item_max_len: int | None = None,
     default: Any = dataclasses.MISSING,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field with wire-level bounds checked by `from_wire`. `each` checks a
     str value (every item of a list of str): it returns why the value is refused, or
-    None."""
+    None. `item_max_len` bounds each str of a list of str (default `MAX_STR`)."""
     meta: dict[str, Any] = {
         "ge": ge, "le": le, "max_len": max_len, "min_len": min_len, "choices": choices,
-        "each": each,
+        "each": each, "item_max_len": item_max_len,
     }  # fmt: skip
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -175,7 +176,8 @@ def _checker(tp: Any, meta: dict[str, Any]) -> Callable[[Any, str], Any]:
     if tp is bytes:
         return _make_bytes_check(meta)
     if origin is list:
-        return _make_list_check(_checker(args[0], {"each": meta.get("each")}), meta)
+        item_meta = {"each": meta.get("each"), "max_len": meta.get("item_max_len")}
+        return _make_list_check(_checker(args[0], item_meta), meta)
     if origin is dict:
         if args[0] is not str:
             raise TypeError("dict fields need str keys")

@@ -13,6 +13,7 @@ from protocol.tensors import EncodedTensor, TensorFrame
 
 FORWARD_PROTOCOL = "/agora/fwd/1"
 MAX_ROUTE = 64  # hops
+MAX_PEER_ID = 128  # characters of a peer id in a route (base58 ed25519 ids have 52)
 
 
 @message("fwd", version=1)
@@ -20,7 +21,7 @@ class Forward(Message):
     mb_id: str = bounded(max_len=128)
     tokens: TensorFrame  # uint8 [B, T + 1]: inputs and next-byte targets
     hidden: EncodedTensor  # the previous stage's boundary output, encoded by the run codec
-    route: list[str] = bounded(max_len=MAX_ROUTE)  # peer ids so far, stage 0 first
+    route: list[str] = bounded(max_len=MAX_ROUTE, item_max_len=MAX_PEER_ID)  # peer ids so far
     deadline: float = bounded(ge=0)  # unix seconds after which stage 0 has given up
 
 

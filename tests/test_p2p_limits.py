@@ -69,6 +69,20 @@ def test_bytes_in_flight_cap() -> None:
     assert not lim.reserve_bytes("never-admitted", 1)
 
 
+def test_bytes_in_flight_are_capped_for_all_peers_together() -> None:
+    lim = PeerLimits(LimitsConfig(max_bytes_in_flight_per_peer=100, max_bytes_in_flight_total=250))
+    for peer in "abc":
+        assert lim.admit_stream(peer, 0.0) is None
+    assert lim.reserve_bytes("a", 100) and lim.reserve_bytes("b", 100)
+    assert not lim.reserve_bytes("c", 51)  # under c's own cap, over the total
+    assert lim.reserve_bytes("c", 50) and lim.total_bytes_in_flight == 250
+    lim.release_bytes("a", 100)
+    lim.release_bytes("a", 100)  # a second release of the same bytes frees nothing
+    assert lim.total_bytes_in_flight == 150 and lim.reserve_bytes("c", 50)
+    with pytest.raises(ValueError, match="total"):
+        LimitsConfig(max_bytes_in_flight_per_peer=100, max_bytes_in_flight_total=99)
+
+
 def test_membership_filter_refuses_non_members_and_can_change() -> None:
     members = {"a"}
     lim = PeerLimits(LimitsConfig(), allow=lambda p: p in members)

@@ -36,6 +36,7 @@ from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
 from protocol.tensors import EncodedTensor, TensorFrame
 
 SEQ = 32
+MICRO_BATCH = 4  # sequences per micro-batch in these swarms
 INNER = InnerConfig(lr=1e-3, warmup_steps=1, weight_decay=0.0, inner_batch_tokens=10**9,
                     cache_size=8)  # fmt: skip
 
@@ -63,7 +64,7 @@ class Swarm:
             worker = TorchWorker()
             self.workers.append(worker)
             hop = PipelineHop(
-                transport, view, worker, request_timeout_s=5.0,
+                transport, view, worker, request_timeout_s=5.0, max_rows=MICRO_BATCH,
                 events=EventLog(events if stage == 0 else None),
             )  # fmt: skip
             hop.stage_built(StageCompute(cfg, stage, n_stages, "subspace_int4", INNER))
@@ -164,9 +165,12 @@ def test_serving_refuses_non_members_and_bans_bad_shapes(tmp_path: Path) -> None
         good_rows = rows()
         encoded = hidden.compute.forward("x", good_rows, None)
 
-        def forward(block: np.ndarray) -> Forward:
-            return Forward(mb_id="x", tokens=TensorFrame.from_numpy(block), hidden=encoded,
+        def forward(block: np.ndarray, hidden: EncodedTensor = encoded) -> Forward:
+            return Forward(mb_id="x", tokens=TensorFrame.from_numpy(block), hidden=hidden,
                            route=[member.peer_id], deadline=1e12)  # fmt: skip
+
+        too_many = rows(MICRO_BATCH + 1)  # more sequences than a micro-batch of the run
+        too_many_hidden = hidden.compute.forward("y", too_many, None)
 
         async def main() -> None:
             with pytest.raises(RequestRefused, match="not_member"):
@@ -174,6 +178,9 @@ def test_serving_refuses_non_members_and_bans_bad_shapes(tmp_path: Path) -> None
             too_long = np.zeros((2, preset("tiny").max_seq_len + 2), dtype=np.uint8)
             with pytest.raises(TransportError, match="out of bounds"):
                 await member.request(a, [], FORWARD_PROTOCOL, forward(too_long), timeout=5)
+            block = forward(too_many, too_many_hidden)  # a well-formed forward, too big
+            with pytest.raises(TransportError, match=r"shape \[5, 33\] is out of bounds"):
+                await member.request(a, [], FORWARD_PROTOCOL, block, timeout=5)
 
         trio.run(main)
         assert s.served("a") == 0

@@ -58,7 +58,7 @@ def run_driver(
         transport = network.transport(ids[name])
         view = PeerView(transport, Router(jitter=0.0), stage=stage)
         view.update(1, members)
-        hop = PipelineHop(transport, view, worker, request_timeout_s=5.0)
+        hop = PipelineHop(transport, view, worker, request_timeout_s=5.0, max_rows=8)
         hop.stage_built(StageCompute(preset("tiny"), stage, 2, "subspace_int4", INNER))
         transport.set_handler(FORWARD_PROTOCOL, hop.serve_forward)
         hops[name] = hop

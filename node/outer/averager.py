@@ -12,12 +12,19 @@ group's order with `node.diloco.aggregate`. Reasons, checked against hivemind 1.
   its own, which a reduce-scatter never exposes.
 The price is O(group) bytes per member instead of O(1): fine for the few replicas a stage
 has. Runs inside hivemind's averager process (forked from the outer-loop process).
+
+State downloads are ours too: hivemind's `_load_state_from_peers` reads a source's whole
+stream and returns the first one that answers, whatever its shape or size. Ours reads
+each source through `node.outer.state_download.StateDownload` (a byte cap of the
+stage's size plus slack, headers checked before decoding, two finite fp32 tensors of the
+stage's size and a round) and goes on to the next source, by priority, when one fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
@@ -29,9 +36,12 @@ from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, enter_asynchronously
+from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from node.diloco import Contribution, DilocoConfig, aggregate
+from node.outer.state_download import StateDownload
 from node.outer.wire import decode_tensor
 
 log = logging.getLogger(__name__)
@@ -92,6 +102,52 @@ class StageAverager(DecentralizedAverager):  # type: ignore[misc]
         meta, tensors = self._state_provider()
         infos = [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
         return meta, tensors, infos
+
+    # ---- state downloads (run in the averager process) ----------------------------------
+
+    async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None) -> None:
+        """The valid state of the first source, by sharing priority, that sends one."""
+        try:
+            wait = self.next_chunk_timeout or self.request_timeout  # s between two messages
+            found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers",
+                                 latest=True)  # fmt: skip
+            entries = found.value if found is not None else {}
+            priority: dict[PeerID, tuple[float, float]] = {}
+            for key, info in entries.items() if isinstance(entries, dict) else ():
+                if isinstance(info, ValueWithExpiration) and type(info.value) in (int, float):
+                    try:
+                        priority[PeerID(key)] = (float(info.value), random.random())
+                    except Exception:  # a key that is no peer id: that entry is skipped
+                        continue
+            for peer in sorted(priority, key=priority.__getitem__, reverse=True):
+                if peer == self.peer_id:
+                    continue
+                try:  # one source may take the whole download's time, never more
+                    got = await asyncio.wait_for(self._download_state(peer, wait), timeout)
+                except Exception as exc:
+                    log.warning("state from %s refused: %r", peer, exc)
+                    continue
+                if got is not None:
+                    future.set_result(got)
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state(
+        self, peer: PeerID, wait: float
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        reader = StateDownload(self._averaged_tensors[0].numel())
+        stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        try:
+            async for msg in aiter_with_timeout(stream, wait):
+                reader.feed(msg)
+        finally:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+        return reader.result()
 
     # ---- aggregation (runs in the averager process) ------------------------------------
 

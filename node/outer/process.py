@@ -188,11 +188,17 @@ class OuterProcess:
         """Adopt the state of the most advanced replica that shares it (by DHT priority)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            got = self.averager.load_state_from_peers(timeout=max(0.5, deadline - time.monotonic()))
-            if got is not None:
+            try:
+                got = self.averager.load_state_from_peers(
+                    timeout=max(0.5, deadline - time.monotonic())
+                )
+            except TimeoutError:  # the averager is still at it; its sources are bounded
+                got = None
+            if got is not None:  # checked by the averager (node.outer.state_download)
                 meta, tensors = got
-                rnd = int(meta.get("round", -1)) if isinstance(meta, dict) else -1
-                if len(tensors) == 2 and rnd > min_round and tensors[0].shape == self.result.shape:
+                rnd = meta.get("round", -1) if isinstance(meta, dict) else -1
+                shapes = [tuple(t.shape) for t in tensors]
+                if type(rnd) is int and rnd > min_round and shapes == [self.result.shape] * 2:
                     theta_g, m = (t.detach().to(torch.float32).contiguous() for t in tensors)
                     if bool(torch.isfinite(theta_g).all() and torch.isfinite(m).all()):
                         self.adopt(OuterState(theta_g=theta_g.clone(), m=m.clone(), round=rnd))

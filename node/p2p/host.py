@@ -9,8 +9,10 @@ stream carries one request and its reply at a time and is kept in a small per-pe
 for reuse (measured 5x the request rate of a fresh stream per request, 1.4x the MB/s at
 1 MiB, on loopback). The server side admits a stream through `PeerLimits` (membership,
 bans, per-peer streams, rate and bytes in flight), checks the declared frame length
-before reading the payload, and bans a peer whose input is malformed, oversized or
-rejected by the handler with `ProtocolError`. Every wait has a deadline.
+before reading the payload, decodes it under the msgpack limits of the protocol's
+message kinds (`protocol.dataplane.request_limits`; replies under `reply_limits`), and
+bans a peer whose input is malformed, oversized or rejected by the handler with
+`ProtocolError`. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -43,9 +45,16 @@ from node.p2p.transport import (
     RequestTimeout,
     TransportError,
 )
-from node.p2p.wire import StreamEnded, read_exact, read_frame_length, read_message, write_message
-from protocol.codec import decode, encode
-from protocol.dataplane import Refused
+from node.p2p.wire import (
+    StreamEnded,
+    decode_payload,
+    read_exact,
+    read_frame_length,
+    read_message,
+    write_message,
+)
+from protocol.codec import encode
+from protocol.dataplane import Refused, reply_limits, request_limits
 from protocol.errors import ProtocolError
 from protocol.framing import HEADER
 from protocol.identity import NodeKey
@@ -226,7 +235,11 @@ class Libp2pTransport:
             with trio.fail_after(self.cfg.read_timeout_s):
                 payload = await read_exact(stream, length)
             stage = "decode"
-            request = decode(payload, max_size=self.cfg.max_frame)
+            request = await decode_payload(
+                payload,
+                max_frame=self.cfg.max_frame,
+                limits=request_limits(protocol_id, self.cfg.max_frame),
+            )
             del payload
             stage = "handler"
             with trio.fail_after(self.cfg.handler_timeout_s):
@@ -401,7 +414,11 @@ class Libp2pTransport:
             try:
                 await stream.write(HEADER.pack(len(payload)) + payload)
                 del payload
-                reply = await read_message(stream, max_frame=self.cfg.max_frame)
+                reply = await read_message(
+                    stream,
+                    max_frame=self.cfg.max_frame,
+                    limits=reply_limits(protocol_id, self.cfg.max_frame),
+                )
             except BaseException:
                 await _reset(stream)
                 raise

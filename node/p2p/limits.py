@@ -5,6 +5,12 @@ unit-tested without sockets or sleeps. The transport asks `PeerLimits` before it
 a request and tells it when the request is finished; a peer that sent malformed,
 oversized or invalid input is banned with exponential back-off.
 
+Memory is bounded too: a request's declared payload is reserved before it is read, per
+peer (`max_bytes_in_flight_per_peer`) and for all peers together
+(`max_bytes_in_flight_total`), and stays reserved until its reply is written, so the
+bytes read plus their decoded message (at most twice the reservation while decoding)
+never pass twice the total, however many members send at once.
+
 State is bounded: per-peer entries are dropped when idle, and the ban list keeps at most
 `max_tracked_peers` entries (expired bans go first).
 """
@@ -31,6 +37,7 @@ class LimitsConfig:
 
     max_streams_per_peer: int = 64  # concurrent inbound requests per peer
     max_bytes_in_flight_per_peer: int = 256 * 1024 * 1024  # bytes of request payload held
+    max_bytes_in_flight_total: int = 1024 * 1024 * 1024  # bytes held for all peers together
     rate_per_s: float = 1000.0  # sustained requests per second per peer (token refill)
     burst: float = 2000.0  # token bucket capacity (requests)
     ban_base_s: float = 10.0  # first ban duration (seconds); doubles per strike
@@ -43,6 +50,8 @@ class LimitsConfig:
             raise ValueError("max_streams_per_peer must be at least 1")
         if self.max_bytes_in_flight_per_peer < 1:
             raise ValueError("max_bytes_in_flight_per_peer must be positive")
+        if self.max_bytes_in_flight_total < self.max_bytes_in_flight_per_peer:
+            raise ValueError("max_bytes_in_flight_total must be at least the per-peer cap")
         if self.rate_per_s <= 0 or self.burst < 1:
             raise ValueError("rate_per_s must be positive and burst at least 1")
         if not 0 < self.ban_base_s <= self.ban_max_s:
@@ -164,13 +173,14 @@ class PeerLimits:
     (and `release_bytes(peer, n)` when done). `strike(peer, now)` bans a peer.
     """
 
-    __slots__ = ("_allow", "_peers", "bans", "cfg")
+    __slots__ = ("_allow", "_peers", "bans", "cfg", "total_bytes_in_flight")
 
     def __init__(self, cfg: LimitsConfig, allow: MembershipFilter = allow_everyone) -> None:
         self.cfg = cfg
         self._allow = allow
         self._peers: dict[str, _PeerState] = {}
         self.bans = BanList(cfg)
+        self.total_bytes_in_flight = 0  # bytes reserved for all peers together
 
     def set_membership(self, allow: MembershipFilter) -> None:
         self._allow = allow
@@ -223,21 +233,28 @@ class PeerLimits:
         self._maybe_forget(peer_id, state, now)
 
     def reserve_bytes(self, peer_id: str, n: int) -> bool:
-        """Hold `n` payload bytes for this peer; False (and a counter) if over the cap."""
+        """Hold `n` payload bytes for this peer; False (and a counter) if that would pass
+        the peer's cap or the total cap."""
         state = self._peers.get(peer_id)
         if state is None:  # admit_stream() was not called; refuse rather than track blindly
             metrics.REFUSED.labels(reason=Refusal.BYTES.value).inc()
             return False
-        if state.bytes_in_flight + n > self.cfg.max_bytes_in_flight_per_peer:
+        if (
+            state.bytes_in_flight + n > self.cfg.max_bytes_in_flight_per_peer
+            or self.total_bytes_in_flight + n > self.cfg.max_bytes_in_flight_total
+        ):
             metrics.REFUSED.labels(reason=Refusal.BYTES.value).inc()
             return False
         state.bytes_in_flight += n
+        self.total_bytes_in_flight += n
         return True
 
     def release_bytes(self, peer_id: str, n: int) -> None:
         state = self._peers.get(peer_id)
         if state is not None:
-            state.bytes_in_flight = max(0, state.bytes_in_flight - n)
+            n = min(n, state.bytes_in_flight)
+            state.bytes_in_flight -= n
+            self.total_bytes_in_flight -= n
 
     def strike(self, peer_id: str, now: float) -> float:
         """Ban a peer that sent bad input; returns the ban duration in seconds."""

@@ -2,19 +2,25 @@
 
 Works with any stream that has `async read(n) -> bytes` (at most n bytes; b"" or an
 exception at end of stream) and `async write(data)`, such as a libp2p stream. The
-header is checked against `max_frame` before any payload byte is read or allocated.
+header is checked against `max_frame` before any payload byte is read or allocated,
+and the payload is decoded under the `UnpackLimits` of the kinds the reader expects
+(`protocol.dataplane`). A payload of `OFFLOAD_BYTES` or more is decoded on a worker
+thread (`decode_payload`), so the event loop keeps serving while it is parsed.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from protocol.codec import decode, encode
+import trio
+
+from protocol.codec import UnpackLimits, decode, encode
 from protocol.errors import ProtocolError
 from protocol.framing import HEADER, HEADER_SIZE, read_header
 from protocol.message import Message
 
 READ_CHUNK = 1024 * 1024  # bytes asked of the stream per read call
+OFFLOAD_BYTES = 1024 * 1024  # payloads from this size up are decoded off the event loop
 
 
 class ByteStream(Protocol):
@@ -32,8 +38,9 @@ class StreamEnded(Exception):
         self.wanted = wanted
 
 
-async def read_exact(stream: ByteStream, n: int) -> bytes:
-    """Read exactly `n` bytes or raise `StreamEnded`."""
+async def read_exact(stream: ByteStream, n: int) -> bytearray:
+    """Read exactly `n` bytes or raise `StreamEnded` (the buffer grows as bytes arrive,
+    and is returned as it is: no copy of a large payload)."""
     buf = bytearray()
     while len(buf) < n:
         chunk = await stream.read(min(n - len(buf), READ_CHUNK))
@@ -42,7 +49,7 @@ async def read_exact(stream: ByteStream, n: int) -> bytes:
         buf += chunk
     if len(buf) > n:  # a stream that returned more than asked: refuse to guess
         raise ProtocolError(f"stream returned {len(buf)} bytes when {n} were asked")
-    return bytes(buf)
+    return buf
 
 
 async def read_frame_length(stream: ByteStream, *, max_frame: int) -> int:
@@ -50,9 +57,23 @@ async def read_frame_length(stream: ByteStream, *, max_frame: int) -> int:
     return read_header(await read_exact(stream, HEADER_SIZE), max_frame=max_frame)
 
 
-async def read_message(stream: ByteStream, *, max_frame: int) -> Message:
+async def decode_payload(
+    payload: bytes | bytearray, *, max_frame: int, limits: UnpackLimits | None
+) -> Message:
+    """`protocol.codec.decode` under `limits`; on a worker thread for a large payload."""
+    if len(payload) < OFFLOAD_BYTES:
+        return decode(payload, max_size=max_frame, limits=limits)
+    return await trio.to_thread.run_sync(lambda: decode(payload, max_size=max_frame, limits=limits))
+
+
+async def read_message(
+    stream: ByteStream, *, max_frame: int, limits: UnpackLimits | None = None
+) -> Message:
+    """One frame, decoded under `limits` (None: each object bounded by `max_frame` only,
+    for a reader of a trusted local stream)."""
     length = await read_frame_length(stream, max_frame=max_frame)
-    return decode(await read_exact(stream, length), max_size=max_frame)
+    payload = await read_exact(stream, length)
+    return await decode_payload(payload, max_frame=max_frame, limits=limits)
 
 
 async def write_message(stream: ByteStream, msg: Message, *, max_frame: int) -> int:
