@@ -246,8 +246,10 @@ class LeasePool:
 
     def _resolve(self, gens: set[int], *, keep: bool) -> list[CommitRange]:
         """The trained windows of rounds `gens` become committable (`keep`), or go back to
-        the untaken windows; returns what went back, as ranges."""
+        the front of the untaken windows (the oldest work, which holds commits back);
+        returns what went back, as ranges."""
         back: list[CommitRange] = []
+        again: list[Window] = []
         if not gens:
             return back
         for lease_id, trained in self._trained.items():
@@ -257,11 +259,12 @@ class LeasePool:
                 if keep:
                     progress.finish(start, end)
                     continue
-                self._untaken.append(Window(lease, self._lease_shard[lease_id], start))
+                again.append(Window(lease, self._lease_shard[lease_id], start))
                 if back and back[-1].lease.lease_id == lease_id and back[-1].end == start:
                     back[-1] = CommitRange(lease, back[-1].start, end)
                 else:
                     back.append(CommitRange(lease, start, end))
+        self._untaken[:0] = again
         return back
 
     def commits(self) -> list[CommitRange]:
