@@ -7,7 +7,11 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
 - `joined`: `peer_id`, `stage`, `n_stages`, `run_id`
 - `forward_failed`: `mb_id`, `peer`, `error` (a micro-batch attempt through `peer` failed)
 - `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
-- `round_applied`: `round`, `group_size`, `tokens`, `seconds`, `rebased`
+- `round_applied`: `round`, `group_size`, `tokens`, `seconds`, `rebased`, `contributed`
+  (this replica's pseudo-gradient is in the new state with weight > 0)
+- `round_not_applied`: `round`, `group_size`, `seconds` (the state did not change)
+- `ranges_returned`: `lease_id`, `shard_id`, `start`, `end` (trained tokens that did not
+  reach the stage's global state: the commit rule hands them back to be trained again)
 - `draining`: `reason` (signal, coordinator, deadline, max_tokens, moved, ...)
 - `left`: `tokens_trained`, `tokens_committed`
 
@@ -25,7 +29,16 @@ from typing import IO, Any
 log = logging.getLogger(__name__)
 
 EVENT_NAMES = frozenset(
-    {"joined", "forward_failed", "lease_committed", "round_applied", "draining", "left"}
+    {
+        "joined",
+        "forward_failed",
+        "lease_committed",
+        "round_applied",
+        "round_not_applied",
+        "ranges_returned",
+        "draining",
+        "left",
+    }  # fmt: skip
 )
 
 

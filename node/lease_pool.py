@@ -8,17 +8,37 @@ it what happened. Its rules:
 - `take(n, rng)` hands out untaken windows, at random across the open leases with an
   `rng` (so one inner step sees many places of the corpus) or in lease order without.
   A window is handed out at most once.
-- `finish(windows)` marks windows trained. Only the contiguous prefix of trained ranges
-  from a lease's committed offset can be committed (`LeaseProgress`).
-- `snapshot()` is the commit point of every held lease now; an outer round takes one
-  when it begins, and `commits(upto)` later names the ranges that round may commit.
-  Without an outer loop, `commits()` names everything trained.
+- `finish(windows, final)` marks windows trained. Without an outer loop (`final`) they
+  may be committed at once; with one, they wait for the round that carries them. Only
+  the contiguous prefix of committable ranges from a lease's committed offset can be
+  committed (`LeaseProgress`).
+- `snapshot()` marks the start of an outer round: windows trained before it ride in that
+  round, windows trained after it in the next one (and so do the windows of a round that
+  never reported a result: the working copy still holds their training).
+- `round_result(facts)` applies the commit rule (below) to a round's result and says what
+  may be committed now and which ranges went back to be trained again.
 - `accept(range)` records a commit the coordinator took; a lease whose range is all
   committed is forgotten. Commits are monotonic per lease.
 - `fence(lease_id)` forgets a lease the coordinator fenced: its untaken windows are
   dropped, windows in flight are no longer finished, nothing of it is ever committed.
 - `release_all()` hands back every held lease (the node is leaving): what was not
   committed returns to the coordinator's queue at its committed offset.
+
+The commit rule. A range is committed only when the round that carries its training was
+applied with this replica's contribution weighted above zero (`contributed`), on the
+stage's canonical lineage:
+- not contributed (the round was not applied, or the group left this replica's
+  pseudo-gradient out): the working copy dropped that training at the merge, so the
+  round's windows go back to be trained again (untaken windows of the same lease);
+- contributed in a round a group merged (`merged`), or on a stage where this replica is
+  the only one (`sole`): the round's windows, and every earlier held round's, may be
+  committed;
+- contributed in a round stepped alone while other replicas exist: the state is this
+  replica's own lineage, which the group may later discard, so the round is held: a later
+  applied group round on top of it (or being the only replica) commits it;
+- `adopted` (this replica replaced its state with another replica's, rebase or download):
+  every held round's training is gone from the state, so its windows go back. The
+  round's own contribution may still be in the adopted state (a group merged it).
 """
 
 from __future__ import annotations
@@ -49,7 +69,32 @@ class CommitRange:
     end: int
 
 
-Snapshot = dict[int, int]  # lease id -> commit point
+@dataclass(frozen=True, slots=True)
+class RoundMark:
+    """An outer round's start: the round carries the windows trained before it."""
+
+    gen: int  # the pool's round counter when the round began
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundFacts:
+    """What one outer round's result says, as the commit rule needs it."""
+
+    mark: RoundMark  # the round
+    applied: bool  # this replica's global state changed
+    contributed: bool  # its pseudo-gradient is in the state now held, with weight > 0
+    adopted: bool  # its state was replaced by another replica's (rebase or download)
+    merged: bool  # a group of two or more merged the round (not stepped alone)
+    sole: bool  # no other replica trains this stage
+
+
+@dataclass(frozen=True, slots=True)
+class RoundVerdict:
+    """What the commit rule made of a round."""
+
+    commits: list[CommitRange]  # ranges that may be committed now
+    returned: list[CommitRange]  # trained ranges put back to be trained again
+    held: int  # rounds applied alone whose commits wait for the canonical lineage
 
 
 class LeasePool:
@@ -61,7 +106,13 @@ class LeasePool:
         self.shard_cache = shard_cache  # shards whose bytes are kept
         self.leases: dict[int, LeaseInfo] = {}  # held leases by id
         self.tokens_committed = 0  # lease tokens the coordinator accepted from this pool
-        self._progress: dict[int, LeaseProgress] = {}
+        self._progress: dict[int, LeaseProgress] = {}  # committable ranges per lease
+        # trained windows waiting for their round: lease id -> start -> (end, round gen)
+        self._trained: dict[int, dict[int, tuple[int, int]]] = {}
+        self._gen = 0  # the round that carries windows trained now
+        self._unresolved: int | None = None  # the round begun last, until its result
+        self._held: set[int] = set()  # rounds applied alone, not yet on the lineage
+        self._lease_shard: dict[int, bytes] = {}  # lease id -> its shard's bytes
         self._fenced: set[int] = set()
         self._untaken: list[Window] = []
         self._shards: dict[int, bytes] = {}  # shard id -> bytes, oldest first
@@ -92,6 +143,8 @@ class LeasePool:
             progress.finish(tail, lease.limit)
         self.leases[lease.lease_id] = lease
         self._progress[lease.lease_id] = progress
+        self._trained[lease.lease_id] = {}
+        self._lease_shard[lease.lease_id] = shard  # to cut windows that go back
         self._untaken.extend(Window(lease, shard, s) for s in starts)
         return len(starts)
 
@@ -115,12 +168,18 @@ class LeasePool:
             return out
         return [self._untaken.pop(rng.randrange(len(self._untaken))) for _ in range(n)]
 
-    def finish(self, windows: Iterable[Window]) -> None:
-        """These windows were trained (fenced leases' windows are ignored)."""
+    def finish(self, windows: Iterable[Window], *, final: bool) -> None:
+        """These windows were trained (fenced leases' windows are ignored): committable
+        now when `final` (no outer loop), else once the round that carries them says so."""
         for w in windows:
             progress = self._progress.get(w.lease.lease_id)
-            if progress is not None:
-                progress.finish(w.start, min(w.start + self.seq_len, w.lease.limit))
+            if progress is None:
+                continue
+            end = min(w.start + self.seq_len, w.lease.limit)
+            if final:
+                progress.finish(w.start, end)
+            else:
+                self._trained[w.lease.lease_id][w.start] = (end, self._gen)
 
     def is_fenced(self, lease_id: int) -> bool:
         return lease_id in self._fenced
@@ -142,6 +201,8 @@ class LeasePool:
     def _forget(self, lease_id: int) -> None:
         self.leases.pop(lease_id, None)
         self._progress.pop(lease_id, None)
+        self._trained.pop(lease_id, None)
+        self._lease_shard.pop(lease_id, None)
         self._untaken = [w for w in self._untaken if w.lease.lease_id != lease_id]
 
     def refs(self) -> list[LeaseRef]:
@@ -150,20 +211,67 @@ class LeasePool:
 
     # --- commits -----------------------------------------------------------------------
 
-    def snapshot(self) -> Snapshot:
-        """The commit point of every held lease now."""
-        return {i: p.commit_point() for i, p in self._progress.items()}
+    def snapshot(self) -> RoundMark:
+        """An outer round begins: it carries the windows trained so far. One round runs
+        at a time; when the last one never reported a result (it failed, so the working
+        copy still holds its training), its windows ride in this one."""
+        if self._unresolved is not None:
+            for trained in self._trained.values():
+                for start, (end, gen) in trained.items():
+                    if gen == self._unresolved:
+                        trained[start] = (end, self._gen)
+        mark = RoundMark(self._gen)
+        self._unresolved = self._gen
+        self._gen += 1
+        return mark
 
-    def commits(self, upto: Snapshot | None = None) -> list[CommitRange]:
-        """Ranges that may be committed now: up to `upto`'s points (the leases it names),
-        or up to every lease's commit point when `upto` is None."""
+    def round_result(self, facts: RoundFacts) -> RoundVerdict:
+        """The commit rule (module docstring) applied to one round's result."""
+        if facts.mark.gen != self._unresolved:
+            raise ValueError(f"round {facts.mark.gen} is not the round in flight")
+        self._unresolved = None
+        back: set[int] = set()
+        if facts.adopted:  # the held rounds' lineage was abandoned
+            back |= self._held
+            self._held.clear()
+        if facts.contributed:
+            self._held.add(facts.mark.gen)
+        else:  # the merge dropped this round's training from the working copy
+            back.add(facts.mark.gen)
+        if facts.applied and (facts.merged or facts.sole):  # on the canonical lineage
+            self._resolve(self._held, keep=True)
+            self._held.clear()
+        returned = self._resolve(back, keep=False)
+        return RoundVerdict(commits=self.commits(), returned=returned, held=len(self._held))
+
+    def _resolve(self, gens: set[int], *, keep: bool) -> list[CommitRange]:
+        """The trained windows of rounds `gens` become committable (`keep`), or go back to
+        the front of the untaken windows (the oldest work, which holds commits back);
+        returns what went back, as ranges."""
+        back: list[CommitRange] = []
+        again: list[Window] = []
+        if not gens:
+            return back
+        for lease_id, trained in self._trained.items():
+            lease, progress = self.leases[lease_id], self._progress[lease_id]
+            for start in sorted(s for s, (_, gen) in trained.items() if gen in gens):
+                end, _ = trained.pop(start)
+                if keep:
+                    progress.finish(start, end)
+                    continue
+                again.append(Window(lease, self._lease_shard[lease_id], start))
+                if back and back[-1].lease.lease_id == lease_id and back[-1].end == start:
+                    back[-1] = CommitRange(lease, back[-1].start, end)
+                else:
+                    back.append(CommitRange(lease, start, end))
+        self._untaken[:0] = again
+        return back
+
+    def commits(self) -> list[CommitRange]:
+        """Ranges that may be committed now: every lease's committable prefix."""
         out = []
         for lease_id, progress in self._progress.items():
-            if upto is not None and lease_id not in upto:
-                continue
             point = progress.commit_point()
-            if upto is not None:
-                point = min(point, upto[lease_id])
             if point > progress.committed:
                 out.append(CommitRange(self.leases[lease_id], progress.committed, point))
         return out

@@ -5,9 +5,10 @@ A run's nodes may start at the same moment, each with a DHT of its own; before i
 round a node moves to the run's canonical DHT (the member with the smallest peer id that
 announces one, `PeerView.dht_root`), restarting its outer process, at most
 `MAX_DHT_MOVES` times. Training goes on during a move, and the progress is kept (a
-rebase onto the state found there). Every state the loop loads or applies reaches
-`on_state` as a `GlobalState` value, with the commit points the round covered (None for
-a state just loaded); nothing outside this module touches the `OuterLink`.
+rebase onto the state found there). Every state the loop loads reaches `on_state` as a
+`GlobalState` value with None, and every round's result with its `RoundFacts` (the
+state may be unchanged: `facts.applied`); nothing outside this module touches the
+`OuterLink`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from node.checkpoint import GlobalState, resume_state
 from node.config import NodeConfig
 from node.diloco import DilocoConfig
 from node.events import EventLog
-from node.lease_pool import Snapshot
+from node.lease_pool import RoundFacts, RoundMark
 from node.outer_link import OuterConfig, OuterLinkError
 from node.outer_rounds import OuterRounds
 from node.peer_view import PeerView
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 MAX_DHT_MOVES = 3
 POLL_S = 0.2  # seconds between ticks
 
-OnState = Callable[[GlobalState, Snapshot | None], Awaitable[None]]
+OnState = Callable[[GlobalState, RoundFacts | None], Awaitable[None]]
 
 
 class OuterLoop:
@@ -51,7 +52,7 @@ class OuterLoop:
         config: OuterConfig,
         every_steps: int,  # inner steps between rounds
         tokens_per_step: int,  # tokens of one inner step of one replica
-        snapshot: Callable[[], Snapshot],  # commit points a round being started covers
+        snapshot: Callable[[], RoundMark],  # marks a round's start for the lease pool
         on_state: OnState,
         announce_dht: Callable[[list[str]], None],
         checkpoint_dir: Path | None = None,  # resume from a checkpoint of the stage here
@@ -82,7 +83,7 @@ class OuterLoop:
         peers: PeerView,
         run: RunInfo,
         *,
-        snapshot: Callable[[], Snapshot],
+        snapshot: Callable[[], RoundMark],
         on_state: OnState,
         announce_dht: Callable[[list[str]], None],
         events: EventLog | None = None,
@@ -149,14 +150,16 @@ class OuterLoop:
             config=self.config,
             every_steps=self.every_steps,
             snapshot=self._snapshot,
-            on_applied=self._applied,
+            on_round=self._round_done,
+            sole_replica=lambda: self.peers.replicas() <= 1,
             target_tokens=self.round_target,
             events=self.events,
         )
 
-    async def _applied(self, state: GlobalState, snapshot: Snapshot) -> None:
-        self.state = state
-        await self._on_state(state, snapshot)
+    async def _round_done(self, state: GlobalState, facts: RoundFacts) -> None:
+        if facts.applied:
+            self.state = state
+        await self._on_state(state, facts)
 
     async def run(self) -> None:
         """Tick rounds until cancelled; move to the run's DHT before the first round."""

@@ -4,10 +4,13 @@
 starts: every `every_steps` inner steps, once the previous round has finished, so a
 round always overlaps with training and communication never stalls compute. Every call
 that touches the parameters runs on the torch worker thread, which serialises it with
-forward and backward. When a round's result arrives it is merged into the working copy
-(theta_g plus the progress made since the snapshot), and `on_applied` gets the new
-global state as a value and the commit points the round's snapshot covered: stage 0
-commits its lease ranges only then, once they reached theta_g.
+forward and backward. A round's snapshot first takes an inner step over the gradients
+accumulated so far, so the snapshot holds every window finished before the round began.
+When a round's result arrives it is merged into the working copy (theta_g plus the
+progress made since the snapshot), and `on_round` gets the global state as a value and
+the round's `RoundFacts`: whether it was applied, with this replica's contribution, by a
+group, on a state adopted from another replica, and whether this replica is alone on its
+stage. Stage 0's lease pool turns those facts into commits (`node.lease_pool`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from node import metrics
 from node.checkpoint import GlobalState
 from node.diloco import merge_local_progress
 from node.events import EventLog
-from node.lease_pool import Snapshot  # lease id -> commit point a round covers
+from node.lease_pool import RoundFacts, RoundMark
 from node.outer_link import OuterConfig, OuterLink, OuterLinkError, RoundResult
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker
@@ -32,7 +35,7 @@ from node.worker import TorchWorker
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # seconds between checks for a finished round
-OnApplied = Callable[[GlobalState, Snapshot], Awaitable[None]]
+OnRound = Callable[[GlobalState, RoundFacts], Awaitable[None]]
 
 
 class OuterRounds:
@@ -43,8 +46,9 @@ class OuterRounds:
         link: OuterLink,
         *,
         every_steps: int,
-        snapshot: Callable[[], Snapshot],
-        on_applied: OnApplied,
+        snapshot: Callable[[], RoundMark],
+        on_round: OnRound,
+        sole_replica: Callable[[], bool],  # no other replica trains this stage now
         target_tokens: Callable[[], int] | None = None,
         events: EventLog | None = None,
     ) -> None:
@@ -54,14 +58,15 @@ class OuterRounds:
         self.link = link
         self.every_steps = every_steps  # inner steps between round starts
         self._snapshot_fn = snapshot
-        self._on_applied = on_applied
-        self._in_flight: Snapshot | None = None  # snapshot of the round running now
+        self._on_round = on_round
+        self._sole_fn = sole_replica
+        self._in_flight: RoundMark | None = None  # the round running now
         self._round_started = 0.0  # monotonic seconds
         self._steps_at_last = 0  # compute.inner_steps when the last round began
         self._tokens_at_last = 0  # compute.tokens_trained when the last round began
         self.rounds = 0  # rounds applied by this replica
         # One tick at a time: the outer loop and a drain both tick, and a round must not
-        # begin while the last one's merge and `on_applied` (commits, checkpoint) run.
+        # begin while the last one's merge and `on_round` (commits, checkpoint) run.
         self._tick_lock = trio.Lock()
         self._early = False  # start the next round as soon as any inner step was taken
         self.events = events or EventLog()
@@ -77,8 +82,9 @@ class OuterRounds:
         initial_peers: list[str],
         config: OuterConfig,
         every_steps: int,
-        snapshot: Callable[[], Snapshot],
-        on_applied: OnApplied,
+        snapshot: Callable[[], RoundMark],
+        on_round: OnRound,
+        sole_replica: Callable[[], bool],
         target_tokens: Callable[[], int] | None = None,
         events: EventLog | None = None,
     ) -> OuterRounds:
@@ -98,7 +104,8 @@ class OuterRounds:
         log.info("outer: hivemind DHT up at %s (%d parameters)", link.dht_addrs(), numel)
         return cls(
             worker, compute, link, every_steps=every_steps, snapshot=snapshot,
-            on_applied=on_applied, target_tokens=target_tokens, events=events,
+            on_round=on_round, sole_replica=sole_replica, target_tokens=target_tokens,
+            events=events,
         )  # fmt: skip
 
     async def load_state(
@@ -210,27 +217,54 @@ class OuterRounds:
         self._tokens_at_last = self.compute.tokens_trained
         self._round_started = time.monotonic()
         target = self._target_fn() if self._target_fn is not None else None
-        await self.worker.run(self.link.begin_round, self.compute.parameters(), tokens, target)
+        await self.worker.run(self._begin_round, tokens, target)
+
+    def _begin_round(self, tokens: int, target: int | None) -> None:
+        # Gradients of finished micro-batches that no inner step has applied yet would
+        # otherwise reach theta_g one round later than the round that commits them.
+        self.compute.step()
+        self.link.begin_round(self.compute.parameters(), tokens, target)
 
     async def _apply(self, result: RoundResult) -> None:
-        snapshot, self._in_flight = self._in_flight or {}, None
+        mark, self._in_flight = self._in_flight, None
+        assert mark is not None
         await self.worker.run(self._merge, self.compute.parameters())
-        self.rounds += 1
-        metrics.OUTER_STEPS.inc()
         metrics.OUTER_ROUNDS.labels("ok").inc()
         metrics.OUTER_ROUND_SECONDS.observe(time.monotonic() - self._round_started)
         metrics.OUTER_GROUP_SIZE.set(result.group_size)
         metrics.OUTER_BYTES.inc(result.bytes_out)
-        log.info(
-            "outer: round %d applied (group %d, %d tokens, eta_r %.3f, %.1fs, %d B out%s)",
-            result.round, result.group_size, result.tokens, result.eta_r, result.seconds,
-            result.bytes_out, ", rebased" if result.rebased else "",
-        )  # fmt: skip
-        self.events.emit(
-            "round_applied", round=result.round, group_size=result.group_size,
-            tokens=result.tokens, seconds=result.seconds, rebased=result.rebased,
-        )  # fmt: skip
-        await self._on_applied(await self.worker.run(self.capture), snapshot)
+        if result.applied:
+            self.rounds += 1
+            metrics.OUTER_STEPS.inc()
+            log.info(
+                "outer: round %d applied (group %d, %d tokens, eta_r %.3f, %.1fs, %d B out%s%s)",
+                result.round, result.group_size, result.tokens, result.eta_r, result.seconds,
+                result.bytes_out, ", rebased" if result.rebased else "",
+                "" if result.contributed else ", without our contribution",
+            )  # fmt: skip
+            self.events.emit(
+                "round_applied", round=result.round, group_size=result.group_size,
+                tokens=result.tokens, seconds=result.seconds, rebased=result.rebased,
+                contributed=result.contributed,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "outer: round not applied (state stays at round %d, group %d, %.1fs)",
+                result.round, result.group_size, result.seconds,
+            )  # fmt: skip
+            self.events.emit(
+                "round_not_applied", round=result.round, group_size=result.group_size,
+                seconds=result.seconds,
+            )  # fmt: skip
+        facts = RoundFacts(
+            mark=mark,
+            applied=result.applied,
+            contributed=result.applied and result.contributed,
+            adopted=result.rebased,
+            merged=result.group_size > 1,
+            sole=self._sole_fn(),
+        )
+        await self._on_round(await self.worker.run(self.capture), facts)
 
     async def finish(self, timeout_s: float) -> None:
         """Drain: wait for the round in flight, then run one more to cover the rest."""

@@ -27,7 +27,7 @@ from node.config import NodeConfig
 from node.coordinator_client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from node.drain import Drain
 from node.events import EventLog
-from node.lease_pool import LeasePool, Snapshot
+from node.lease_pool import LeasePool, RoundFacts
 from node.outer_loop import OuterLoop
 from node.p2p.transport import Transport
 from node.peer_view import PeerView
@@ -201,15 +201,16 @@ class Node:
         if self.outer is not None:
             self.outer.request_early_round()
 
-    async def _on_global_state(self, state: GlobalState, covered: Snapshot | None) -> None:
-        """A state was loaded (`covered` None) or a round applied: persist it, serve it,
-        then commit the lease ranges the round carried into it."""
-        if covered is not None and self.checkpoint is not None:
+    async def _on_global_state(self, state: GlobalState, facts: RoundFacts | None) -> None:
+        """A state was loaded (`facts` None) or a round's result came in: persist and serve
+        a new state, then let stage 0's commit rule commit what reached it."""
+        changed = facts is None or facts.applied
+        if facts is not None and facts.applied and self.checkpoint is not None:
             await self.checkpoint(state)
-        if self.state_server is not None:
+        if changed and self.state_server is not None:
             self.state_server.hold(state)
-        if covered is not None and self.driver is not None:
-            await self.driver.commit(upto=covered)
+        if facts is not None and self.driver is not None:
+            await self.driver.round_result(facts)
 
     # --- leaving -----------------------------------------------------------------------
 

@@ -5,8 +5,9 @@ cuts each micro-batch from windows drawn across them, with `in_flight` micro-bat
 the pipeline at once (`node.pipeline_hop.PipelineHop` carries each one). A micro-batch's
 id is its first window's (lease, epoch, offset), and it counts once: stage 0 finishes it
 once. Commits go to the coordinator one at a time, in order:
-- with an outer loop, only when a round that covers the windows was applied
-  (`commit(upto=snapshot)`, called by the node's round hook);
+- with an outer loop, when the pool's commit rule says a round's result put the windows
+  into the stage's global state (`round_result(facts)`, called by the node's round hook);
+  trained ranges the rule hands back are trained again (`ranges_returned` events);
 - without one, as soon as the windows are trained.
 A fenced lease is dropped at once: its windows in flight are not finished, and nothing
 of it is committed. On drain the driver finishes its open leases within half the drain
@@ -33,7 +34,7 @@ from node.coordinator_client import (
 )
 from node.drain import Drain
 from node.events import EventLog
-from node.lease_pool import CommitRange, LeasePool, Snapshot, Window
+from node.lease_pool import CommitRange, LeasePool, RoundFacts, Window
 from node.pipeline_hop import PipelineHop
 from protocol.control import LeaseInfo
 
@@ -176,19 +177,34 @@ class Stage0Driver:
             self.losses.append(loss)
             metrics.LOSS.set(self.loss or loss)  # mean of the last 32
             metrics.MICROBATCHES.labels("done").inc()
-            self.pool.finish(batch)
+            self.pool.finish(batch, final=self.commit_on_finish)
             # Without an outer loop finished windows are committed now; with one, only
-            # the round that covers them commits them (also while it moves or restarts).
+            # the round that carries them commits them (also while it moves or restarts).
             if self.commit_on_finish:
                 await self.commit()
         finally:
             slots.release()
 
-    async def commit(self, upto: Snapshot | None = None) -> None:
-        """Commit what the pool may commit (up to `upto`'s points when given)."""
+    async def commit(self) -> None:
+        """Commit what the pool may commit."""
         async with self._commit_lock:
-            for rng in self.pool.commits(upto):
+            for rng in self.pool.commits():
                 await self._commit_one(rng)
+
+    async def round_result(self, facts: RoundFacts) -> None:
+        """An outer round's result is in: the pool's commit rule decides what is
+        committed and what goes back to be trained again."""
+        verdict = self.pool.round_result(facts)
+        for rng in verdict.returned:
+            log.info(
+                "node: lease %d tokens %d..%d did not reach the global state; training them again",
+                rng.lease.lease_id, rng.start, rng.end,
+            )  # fmt: skip
+            self.events.emit(
+                "ranges_returned", lease_id=rng.lease.lease_id, shard_id=rng.lease.shard_id,
+                start=rng.start, end=rng.end,
+            )  # fmt: skip
+        await self.commit()
 
     async def _commit_one(self, rng: CommitRange) -> None:
         lease = rng.lease

@@ -1,9 +1,11 @@
 """The lease pool's rules: windows cut once, commits only of contiguous trained prefixes,
-monotonic, never past a round's snapshot, nothing of a fenced lease, everything released.
+monotonic, nothing of a fenced lease, everything released; and the commit rule: a range
+is committed only once the round that carried it was applied with this replica's
+contribution on the stage's canonical lineage, and what did not reach the state goes
+back to be trained again.
 
-A hypothesis state machine drives random opens, draws, finishes (in any order), round
-snapshots, commits and fences, and checks the pool against a plain model of the same
-history after every step."""
+A hypothesis state machine drives random opens, draws, finishes (in any order), rounds
+with random results, commits and fences, and checks the pool against the history."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from node.lease_pool import CommitRange, LeasePool, Window
+from node.lease_pool import CommitRange, LeasePool, RoundFacts, RoundMark, Window
 from protocol.control import LeaseInfo
 
 SEQ = 4
@@ -30,33 +32,132 @@ def lease(lease_id: int, *, shard_id: int = 0, committed: int = 0, limit: int = 
 SHARD = bytes(range(64))
 
 
+def facts(
+    mark: RoundMark,
+    *,
+    applied: bool = True,
+    contributed: bool = True,
+    adopted: bool = False,
+    merged: bool = True,
+    sole: bool = False,
+) -> RoundFacts:
+    return RoundFacts(
+        mark=mark, applied=applied, contributed=contributed, adopted=adopted, merged=merged,
+        sole=sole,
+    )  # fmt: skip
+
+
+def spans(ranges: list[CommitRange]) -> list[tuple[int, int]]:
+    return [(r.start, r.end) for r in ranges]
+
+
 def test_windows_cover_the_range_and_a_short_tail_counts_as_trained() -> None:
     pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
     # tokens 8..62 of a 64-token shard: windows need SEQ + 1 tokens, so the last start is 56
     assert pool.open(lease(1, committed=8, limit=62), SHARD) == 13
     windows = pool.take(100)
     assert [w.start for w in windows] == list(range(8, 60, SEQ))
-    pool.finish(windows)
+    pool.finish(windows, final=True)
     [only] = pool.commits()
     assert (only.start, only.end) == (8, 62)  # the 2-token tail needs no training
     assert pool.accept(only) and pool.leases == {} and pool.tokens_committed == 54
 
 
-def test_commits_stop_at_a_gap_and_at_the_round_snapshot() -> None:
+def test_commits_stop_at_a_gap_and_at_the_round_that_carries_the_windows() -> None:
     pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
     pool.open(lease(1, limit=16), SHARD)
     w0, w1, w2, w3 = pool.take(4)
-    pool.finish([w1, w2])
+    pool.finish([w1, w2], final=False)
+    pool.finish([w0], final=False)
+    assert pool.commits() == []  # trained, but no round carried them into the state yet
+    mark = pool.snapshot()
+    pool.finish([w3], final=False)  # trained after the round began: the next round's
+    verdict = pool.round_result(facts(mark))
+    assert spans(verdict.commits) == [(0, 12)] and verdict.returned == [] and verdict.held == 0
+    assert not pool.accept(verdict.commits[0])
+    assert pool.round_result(facts(pool.snapshot())).commits[0].end == 16
+
+
+def test_a_gap_holds_back_the_commits_behind_it() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    _, w1, w2, _ = pool.take(4)
+    pool.finish([w1, w2], final=True)
     assert pool.commits() == []  # [0, 4) is not trained: nothing can be committed
-    pool.finish([w0])
-    snap = pool.snapshot()
-    assert snap == {1: 12}
-    pool.finish([w3])  # trained after the round began: not in its snapshot
-    [rng] = pool.commits(upto=snap)
-    assert (rng.start, rng.end) == (0, 12)
-    assert not pool.accept(rng)
-    [rest] = pool.commits()
-    assert (rest.start, rest.end) == (12, 16)
+
+
+def test_a_round_not_applied_gives_its_windows_back_to_be_trained_again() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    w0, w1, w2, w3 = pool.take(4)
+    pool.finish([w0, w1], final=False)
+    mark = pool.snapshot()
+    pool.finish([w2], final=False)  # in the working copy after the merge: kept
+    verdict = pool.round_result(facts(mark, applied=False, contributed=False))
+    assert verdict.commits == [] and spans(verdict.returned) == [(0, 8)]
+    assert sorted(w.start for w in pool.take(10)) == [0, 4]  # handed out again
+    pool.finish([w0, w1, w3], final=False)
+    assert spans(pool.round_result(facts(pool.snapshot())).commits) == [(0, 16)]
+
+
+def test_a_contribution_the_group_left_out_is_not_committed_and_goes_back() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    pool.finish(pool.take(2), final=False)
+    verdict = pool.round_result(facts(pool.snapshot(), contributed=False))  # applied, weight 0
+    assert verdict.commits == [] and spans(verdict.returned) == [(0, 8)]
+    assert pool.untaken == 4
+
+
+def test_a_lone_round_waits_until_a_group_round_lands_on_its_state() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    w0, w1, w2, w3 = pool.take(4)
+    pool.finish([w0, w1], final=False)
+    lone = pool.round_result(facts(pool.snapshot(), merged=False))
+    assert lone.commits == [] and lone.returned == [] and lone.held == 1
+    pool.finish([w2, w3], final=False)
+    # the group steps on this replica's state (canonical): the lone round is confirmed,
+    # even though the group weighted this round's own contribution at zero
+    verdict = pool.round_result(facts(pool.snapshot(), contributed=False))
+    assert spans(verdict.commits) == [(0, 8)] and spans(verdict.returned) == [(8, 16)]
+    assert verdict.held == 0
+
+
+def test_a_lone_round_then_an_adopted_state_gives_the_lone_rounds_ranges_back() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    w0, w1, w2, w3 = pool.take(4)
+    pool.finish([w0, w1], final=False)
+    assert pool.round_result(facts(pool.snapshot(), merged=False)).held == 1
+    pool.finish([w2, w3], final=False)
+    # the group's canonical state replaced this replica's: the lone step is gone from it,
+    # while this round's contribution was merged by the group into the state adopted
+    verdict = pool.round_result(facts(pool.snapshot(), adopted=True))
+    assert spans(verdict.returned) == [(0, 8)] and verdict.commits == [] and verdict.held == 0
+    again = pool.take(10)
+    assert sorted(w.start for w in again) == [0, 4]
+    pool.finish(again, final=False)
+    assert spans(pool.round_result(facts(pool.snapshot())).commits) == [(0, 16)]
+
+
+def test_lone_rounds_commit_at_once_on_a_stage_with_one_replica() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    pool.finish(pool.take(2), final=False)
+    verdict = pool.round_result(facts(pool.snapshot(), merged=False, sole=True))
+    assert spans(verdict.commits) == [(0, 8)] and verdict.held == 0
+
+
+def test_a_round_without_a_result_hands_its_windows_to_the_next_round() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    pool.finish(pool.take(2), final=False)
+    failed = pool.snapshot()  # no result ever comes back for it
+    mark = pool.snapshot()
+    with pytest.raises(ValueError, match="not the round in flight"):
+        pool.round_result(facts(failed))
+    assert spans(pool.round_result(facts(mark)).commits) == [(0, 8)]
 
 
 def test_fenced_lease_loses_its_windows_and_commits() -> None:
@@ -66,7 +167,7 @@ def test_fenced_lease_loses_its_windows_and_commits() -> None:
     taken = pool.take(1)  # lease 1's first window is in flight
     rng = CommitRange(lease(1, limit=16), 0, 4)
     assert pool.fence(1) and pool.is_fenced(1)
-    pool.finish(taken)  # the in-flight window returns: ignored
+    pool.finish(taken, final=True)  # the in-flight window returns: ignored
     assert pool.commits() == [] and not pool.pending(rng)
     assert {w.lease.lease_id for w in pool.take(100)} == {2}
     assert pool.refs()[0].lease_id == 2
@@ -86,37 +187,54 @@ def test_wants_lease_counts_leases_with_untaken_windows_and_cache_is_bounded() -
     assert sorted(le.lease_id for le in held) == [1, 2, 3] and pool.untaken == 0
 
 
+# a round's outcome -> (applied, contributed, adopted, merged, sole)
+OUTCOMES = {
+    "failed": (False, False, False, False, False),  # no result came back
+    "not_applied": (False, False, False, True, False),
+    "rejected": (True, False, False, True, False),
+    "group": (True, True, False, True, False),
+    "lone": (True, True, False, False, False),
+    "lone_sole": (True, True, False, False, True),
+    "adopted_group": (True, True, True, True, False),
+    "adopted_rejected": (True, False, True, True, False),
+    "adopted_lone": (True, True, True, False, False),
+}
+
+
 class PoolMachine(RuleBasedStateMachine):
-    """The pool against a model: per lease, the set of trained offsets and the committed
-    offset; in flight, windows handed out and not yet finished."""
+    """The pool against the history: per lease, the trained windows (with the round that
+    carried each) and the committed offset; in flight, windows handed out and not yet
+    finished; every round's result. A commit must only cover windows whose round reached
+    the canonical state by the history; a window that went back must not have."""
 
     @initialize()
     def setup(self) -> None:
         self.pool = LeasePool(seq_len=SEQ, max_open=3, shard_cache=4)
         self.next_id = 1
         self.in_flight: list[Window] = []
-        self.trained: dict[int, set[int]] = {}
+        self.trained: dict[int, dict[int, int]] = {}  # lease -> start -> carrying round
         self.committed: dict[int, int] = {}
         self.opened_at: dict[int, int] = {}
         self.limits: dict[int, int] = {}
         self.fenced: set[int] = set()
         self.handed: set[tuple[int, int]] = set()
-        self.snap: dict[int, int] | None = None
+        self.round = 0  # rounds begun: windows trained now ride in round `self.round`
+        self.results: dict[int, RoundFacts] = {}
 
     @rule(committed=st.integers(0, 6), length=st.integers(1, 10))
     def open(self, committed: int, length: int) -> None:
         start, limit = committed * SEQ, min(64, committed * SEQ + length * SEQ)
         le = lease(self.next_id, committed=start, limit=limit)
         self.pool.open(le, SHARD)
-        self.trained[le.lease_id] = set()
+        self.trained[le.lease_id] = {}
         self.committed[le.lease_id] = start
         self.opened_at[le.lease_id] = start
         self.limits[le.lease_id] = limit
         self.next_id += 1
 
-    @rule(n=st.integers(1, 5), seed=st.integers(0, 3))
+    @rule(n=st.integers(1, 5), seed=st.integers(-1, 3))
     def take(self, n: int, seed: int) -> None:
-        got = self.pool.take(n, random.Random(seed))
+        got = self.pool.take(n, random.Random(seed) if seed >= 0 else None)
         for w in got:
             key = (w.lease.lease_id, w.start)
             assert key not in self.handed, f"window {key} handed out twice"
@@ -128,28 +246,65 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
         w = self.in_flight.pop(data.draw(st.integers(0, len(self.in_flight) - 1)))
-        self.pool.finish([w])
+        self.pool.finish([w], final=False)
         if w.lease.lease_id not in self.fenced:
-            self.trained[w.lease.lease_id].add(w.start)
+            self.trained[w.lease.lease_id][w.start] = self.round
+
+    def reached(self, gen: int) -> bool:
+        """Round `gen`'s training is in the canonical state by the history: contributed,
+        then an applied group round (or one as the only replica) at or after it with no
+        adopted state in between."""
+        first = self.results.get(gen)
+        if first is None or not first.contributed:
+            return False
+        for r in range(gen, self.round):
+            f = self.results.get(r)
+            if f is None:
+                continue
+            if r > gen and f.adopted:
+                return False
+            if f.applied and (f.merged or f.sole):
+                return True
+        return False
+
+    @rule(outcome=st.sampled_from(sorted(OUTCOMES)))
+    def outer_round(self, outcome: str) -> None:
+        result = outcome != "failed"
+        applied, contributed, adopted, merged, sole = OUTCOMES[outcome]
+        mark = self.pool.snapshot()
+        if not result:  # failed: its windows ride in the next round
+            for trained in self.trained.values():
+                for s, g in trained.items():
+                    if g == self.round:
+                        trained[s] = self.round + 1
+            self.round += 1
+            return
+        self.round += 1
+        f = RoundFacts(
+            mark=mark, applied=applied, contributed=contributed, adopted=adopted,
+            merged=merged, sole=sole,
+        )  # fmt: skip
+        self.results[mark.gen] = f
+        verdict = self.pool.round_result(f)
+        for rng in verdict.returned:
+            lid = rng.lease.lease_id
+            for s in range(rng.start, rng.end, SEQ):
+                assert not self.reached(self.trained[lid][s]), (lid, s, rng)
+                del self.trained[lid][s]
+                self.handed.discard((lid, s))  # it may be handed out again
 
     @rule()
-    def snapshot(self) -> None:
-        self.snap = self.pool.snapshot()
-
-    @rule(use_snapshot=st.booleans())
-    def commit(self, use_snapshot: bool) -> None:
-        upto = self.snap if use_snapshot else None
-        for rng in self.pool.commits(upto):
+    def commit(self) -> None:
+        for rng in self.pool.commits():
             lid = rng.lease.lease_id
             assert lid not in self.fenced
             assert rng.start == self.committed[lid] < rng.end
-            if upto is not None:
-                assert rng.end <= upto[lid]
-            # every window in [start, end) was trained (the tail past the last window
-            # needs none)
+            # every window in [start, end) reached the state (the tail past the last
+            # window needs no training)
             for s in range(rng.start, rng.end, SEQ):
                 if s + SEQ + 1 <= len(SHARD):
                     assert s in self.trained[lid], (lid, s, rng)
+                    assert self.reached(self.trained[lid][s]), (lid, s, rng)
             assert self.pool.pending(rng)
             self.pool.accept(rng)
             self.committed[lid] = rng.end
@@ -173,5 +328,5 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.tokens_committed == total
 
 
-PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
 test_lease_pool_state_machine = PoolMachine.TestCase

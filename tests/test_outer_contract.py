@@ -64,6 +64,7 @@ REPLIES: list[c.Reply] = [
     c.RoundResult(
         round=1,
         applied=True,
+        contributed=True,
         rebased=False,
         group_size=2,
         tokens=400,

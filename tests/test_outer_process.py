@@ -76,6 +76,7 @@ def test_group_round_gives_identical_state_and_a_joiner_downloads_it(
     ra, rb = a.wait_result(30), b.wait_result(30)
     assert (ra.group_size, rb.group_size) == (2, 2), (ra, rb)
     assert ra.round == rb.round == 1 and ra.applied and rb.applied
+    assert ra.contributed and rb.contributed  # both weighted above zero
     assert ra.digest == rb.digest  # theta_g and m bitwise identical
     assert torch.equal(a.theta_g(), b.theta_g())
     assert ra.bytes_out == ra.raw_bytes // 2  # fp16 on the wire
@@ -139,7 +140,7 @@ def test_frozen_replica_does_not_hold_the_other_and_is_rebased(
     a.begin_round([p * 0.98 for p in theta0], 100)
     ra2 = a.wait_result(30)
     round2_at = time.monotonic()
-    assert ra2.applied and ra2.round == 2 and ra2.group_size == 1
+    assert ra2.applied and ra2.round == 2 and ra2.group_size == 1 and ra2.contributed
     assert 0.0 < ra2.eta_r < CFG.diloco.eta  # 100 of 400 target tokens: a smaller step
 
     os.killpg(b.pid, signal.SIGCONT)

@@ -264,6 +264,10 @@ class RoundResult:
     OP: ClassVar[str] = "result"
     round: int  # outer steps in the global state after this round
     applied: bool  # whether this replica's global state changed
+    # whether this replica's pseudo-gradient is in the state now held with a weight above
+    # zero: a step alone that applied, or a group round that weighted it and whose result
+    # this replica holds (stepped or adopted)
+    contributed: bool
     rebased: bool  # whether the state was downloaded from a more advanced replica
     group_size: int  # replicas whose contributions were averaged (1 when alone)
     tokens: int  # tokens behind the averaged pseudo-gradient
@@ -292,6 +296,7 @@ class RoundResult:
         return cls(
             round=_int(d, "round", cls, lo=0, hi=MAX_COUNT),
             applied=_bool(d, "applied"),
+            contributed=_bool(d, "contributed"),
             rebased=_bool(d, "rebased"),
             group_size=_int(d, "group_size", cls, lo=1, hi=MAX_COUNT),
             tokens=_int(d, "tokens", cls, lo=0, hi=MAX_COUNT),

@@ -255,6 +255,7 @@ class OuterProcess:
         bytes_out, bytes_in, rejected = 0, 0, {}
         if not isinstance(info, dict) or not info.get("has_delta"):
             applied, rnd, eta_r, used, size = self.step_alone(delta, tokens, base.round, ref_norm)
+            contributed = applied
         else:
             bytes_out, bytes_in = int(info["bytes_out"]), int(info["bytes_in"])
             rejected = {str(k): str(v) for k, v in info["rejected"].items()}
@@ -262,9 +263,11 @@ class OuterProcess:
                 d = tensors[0].clone()
             applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d)
             rebased = rebased or adopted
+            contributed = applied and self.own_weight(info) > 0.0
         return RoundResult(
             round=rnd,
             applied=applied,
+            contributed=contributed,
             rebased=rebased,
             group_size=size,
             tokens=used,
@@ -288,6 +291,12 @@ class OuterProcess:
         if rep.applied:
             self.adopt(new)
         return rep.applied, new.round, rep.eta_r, rep.tokens, 1
+
+    def own_weight(self, info: dict[str, Any]) -> float:
+        """This replica's weight in a group round's aggregate (0 when left out)."""
+        me = self.dht.peer_id.to_base58()
+        contributors: list[str] = info["contributors"]
+        return float(info["weights"][contributors.index(me)]) if me in contributors else 0.0
 
     def finish_group_round(
         self, info: dict[str, Any], d: torch.Tensor

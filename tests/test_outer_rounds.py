@@ -1,0 +1,191 @@
+"""`OuterRounds` turns each round's result into the facts of the commit rule, and the
+lease pool commits or hands back accordingly: a real `OuterLink` against a scripted
+outer process (the test answers each `Begin` with the `RoundResult` it wants), a real
+torch worker and lease pool, and a stand-in for the stage's compute."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from node import metrics
+from node.events import EventLog, read_events
+from node.lease_pool import LeasePool, RoundFacts, RoundVerdict
+from node.outer import contract as c
+from node.outer_link import OuterLink
+from node.outer_rounds import OuterRounds
+from node.worker import TorchWorker
+from protocol.control import LeaseInfo
+from protocol.framing import FrameDecoder
+
+SEQ = 4
+NUMEL = 8
+
+
+class Compute:
+    """The part of `StageCompute` that `OuterRounds` uses."""
+
+    def __init__(self) -> None:
+        self.weights = torch.zeros(NUMEL)
+        self.inner_steps = 0
+        self.tokens_trained = 0
+        self.steps_at_snapshot = 0  # `step()` calls (the snapshot's flush)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.weights]
+
+    def weights_changed(self) -> None:
+        pass
+
+    def step(self) -> None:
+        self.steps_at_snapshot += 1
+
+
+@pytest.fixture
+def scripted(tmp_path: Path) -> Iterator[tuple[OuterLink, socket.socket]]:
+    """An `OuterLink` whose "outer process" is the test: replies go through `peer`."""
+    ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    paths = [tmp_path / name for name in ("snap", "result", "m")]
+    for path in paths:
+        path.write_bytes(bytes(4 * NUMEL))
+    # a stand-in for the outer process's pid: it waits on its stdin, which teardown closes
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    link = OuterLink(proc, ours, *paths, numel=NUMEL)
+    yield link, peer
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.kill()
+    link.close(timeout=5.0)
+    peer.close()
+
+
+def result(rnd: int, **kw: Any) -> c.RoundResult:
+    fields: dict[str, Any] = dict(
+        round=rnd, applied=True, contributed=True, rebased=False, group_size=2, tokens=8,
+        eta_r=0.7, bytes_out=0, bytes_in=0, raw_bytes=4 * NUMEL, seconds=0.1, rejected={},
+        digest=f"{rnd:016x}",
+    )  # fmt: skip
+    fields.update(kw)
+    return c.RoundResult(**fields)
+
+
+def run_rounds(
+    link: OuterLink, peer: socket.socket, events: Path, replies: list[c.RoundResult]
+) -> tuple[LeasePool, list[tuple[RoundFacts, RoundVerdict]], Compute]:
+    """Trains two windows of one lease before each round, runs one round per reply
+    (others exist on the stage), and returns the pool and every round's facts and
+    verdict."""
+    pool = LeasePool(seq_len=SEQ, max_open=1, shard_cache=1)
+    pool.open(
+        LeaseInfo(
+            lease_id=1,
+            shard_id=0,
+            epoch=1,
+            data_epoch=0,
+            committed=0,
+            limit=4 * SEQ * 4,
+            shard_tokens=64,
+            expires_at=0.0,
+            state="active",
+        ),  # fmt: skip
+        bytes(64),
+    )
+    compute = Compute()
+    worker = TorchWorker()
+    seen: list[tuple[RoundFacts, RoundVerdict]] = []
+
+    async def on_round(_state: object, facts: RoundFacts) -> None:
+        seen.append((facts, pool.round_result(facts)))
+
+    rounds = OuterRounds(
+        worker, compute, link, every_steps=1, snapshot=pool.snapshot,  # type: ignore[arg-type]
+        on_round=on_round, sole_replica=lambda: False, events=EventLog(events),
+    )  # fmt: skip
+    decoder = FrameDecoder(max_frame=c.MAX_CONTROL_FRAME)
+    peer.settimeout(5.0)
+
+    async def main() -> None:
+        for reply in replies:
+            pool.finish(pool.take(2), final=False)
+            compute.tokens_trained += 2 * SEQ
+            await rounds.begin()
+            [begin] = [c.decode_command(p) for p in decoder.feed(peer.recv(1 << 16))]
+            assert isinstance(begin, c.Begin)
+            peer.sendall(c.encode(reply))
+            with trio.fail_after(5.0):
+                while rounds.in_flight:
+                    await rounds.tick()
+                    await trio.sleep(0.01)
+
+    try:
+        trio.run(main)
+    finally:
+        worker.close()
+    return pool, seen, compute
+
+
+def spans(verdict: RoundVerdict) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    return [(r.start, r.end) for r in verdict.commits], [(r.start, r.end) for r in verdict.returned]
+
+
+def steps() -> float:
+    return metrics.OUTER_STEPS._value.get()  # type: ignore[attr-defined, no-any-return]
+
+
+def test_a_round_not_applied_and_a_rejected_contribution_commit_nothing(
+    scripted: tuple[OuterLink, socket.socket], tmp_path: Path
+) -> None:
+    link, peer = scripted
+    events = tmp_path / "events.jsonl"
+    before = steps()
+    _, seen, compute = run_rounds(
+        link, peer, events,
+        [
+            result(0, applied=False, contributed=False),  # the state did not move
+            result(1, contributed=False, rejected={"me": "staleness 9 above bound 4"}),
+            result(2),  # a group round with this replica's contribution
+        ],
+    )  # fmt: skip
+    assert steps() - before == 2  # only applied rounds are outer steps
+    assert compute.steps_at_snapshot == 3  # every snapshot flushed pending gradients
+    (f0, v0), (f1, v1), (f2, v2) = seen
+    assert not f0.applied and not f0.contributed
+    assert spans(v0) == ([], [(0, 8)])
+    assert f1.applied and not f1.contributed and spans(v1) == ([], [(0, 8)])
+    # the windows that went back were trained again and ride in the third round
+    assert f2.contributed and f2.merged and spans(v2) == ([(0, 8)], [])
+    assert [e["round"] for e in read_events(events, "round_not_applied")] == [0]
+    applied = read_events(events, "round_applied")
+    assert [(e["round"], e["contributed"]) for e in applied] == [(1, False), (2, True)]
+
+
+def test_a_lone_round_then_an_adopted_state_hands_the_lone_rounds_ranges_back(
+    scripted: tuple[OuterLink, socket.socket], tmp_path: Path
+) -> None:
+    link, peer = scripted
+    _, seen, _ = run_rounds(
+        link, peer, tmp_path / "events.jsonl",
+        [
+            result(1, group_size=1),  # stepped alone while other replicas exist: held
+            result(3, rebased=True),  # the group's state replaced this replica's
+            result(4, group_size=1),  # [0, 8) trained again, alone again: held
+            result(5),  # a group round on this replica's state confirms it
+        ],
+    )  # fmt: skip
+    (f0, v0), (f1, v1), (f2, v2), (f3, v3) = seen
+    assert not f0.merged and not f0.sole and spans(v0) == ([], []) and v0.held == 1
+    # the lone round's [0, 8) is gone from the adopted state; this round's [8, 16) was
+    # merged by the group into it
+    assert f1.adopted and spans(v1) == ([], [(0, 8)]) and v1.held == 0
+    assert spans(v2) == ([], []) and v2.held == 1  # [8, 16) is in; the gap holds it back
+    assert spans(v3) == ([(0, 24)], []) and v3.held == 0  # with this round's [16, 24)
