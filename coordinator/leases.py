@@ -39,10 +39,11 @@ RECENT_LEASES = 100_000  # finished leases kept in memory for idempotent retries
 class LeaseError(Exception):
     """A refused lease call; `code` is a protocol error code (fenced, conflict, ...)."""
 
-    def __init__(self, code: str, detail: str) -> None:
+    def __init__(self, code: str, detail: str, *, recorded: bool = False) -> None:
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail
+        self.recorded = recorded  # the refusal was put on the audit record (a `fence` row)
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,6 +73,7 @@ class Lease:
     state: str = ACTIVE
     last_start: int = -1  # start of the last accepted commit (for idempotent retries)
     saved_expires_at: float = 0.0  # not persisted: the expiry last journaled, unix seconds
+    fence_recorded: bool = False  # not persisted: a refused call of its holder is audited
 
     def row(self) -> tuple[Any, ...]:
         return (
@@ -278,11 +280,13 @@ class LeaseBook:
     ) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None:
-            if 0 < lease_id < self.next_lease_id:
-                self._fence(holder, lease_id, epoch, now, start, end, "lease is no longer active")
+            if 0 < lease_id < self.next_lease_id:  # ended long ago: its end is on record
+                self._refuse(lease_id, epoch, "lease is no longer active")
             raise LeaseError("not_found", f"no lease {lease_id}")
         if lease.holder != holder:
-            self._fence(holder, lease_id, epoch, now, start, end, "held by another peer")
+            # a lease id is granted once, to one holder: only a caller that never held it
+            # gets here, and a guess must not cost an audited, durable write
+            self._refuse(lease_id, epoch, "held by another peer")
         if lease.epoch != epoch:
             self._fence(holder, lease_id, epoch, now, start, end, f"epoch {epoch} != {lease.epoch}")
         if lease.state == ACTIVE or (allow_complete and lease.state == COMPLETE):
@@ -293,16 +297,28 @@ class LeaseBook:
     def _fence(
         self, holder: str, lease_id: int, epoch: int, now: float, start: int, end: int, why: str
     ) -> None:
+        """Refuse a call of the holder on its own lease that has moved on. The first such
+        call is put on the record; repeats (a retry, or a member hammering its old lease)
+        are refused without another audited write."""
+        lease = self.leases[lease_id]
+        recorded = not lease.fence_recorded
+        if recorded:
+            lease.fence_recorded = True
+            self.journal.audit.append(
+                AuditEvent(
+                    now, self.data_epoch, "fence", lease.shard_id, lease_id, holder, epoch, start,
+                    end,
+                )
+            )  # fmt: skip
+        self._refuse(lease_id, epoch, why, recorded=recorded)
+
+    def _refuse(self, lease_id: int, epoch: int, why: str, *, recorded: bool = False) -> None:
         self.fenced_total += 1
-        lease = self.leases.get(lease_id)
-        shard_id = lease.shard_id if lease is not None else -1
-        self.journal.audit.append(
-            AuditEvent(now, self.data_epoch, "fence", shard_id, lease_id, holder, epoch, start, end)
-        )
         raise LeaseError(
             "fenced",
             f"lease {lease_id} (epoch {epoch}) is fenced: {why}; the shard belongs to a newer"
             " holder, drop its uncommitted work",
+            recorded=recorded,
         )
 
     def _finish(self, lease: Lease, shard: Shard, now: float) -> bool:

@@ -43,6 +43,11 @@ class CoordinatorMetrics:
             "Lease calls refused because the lease was fenced",
             registry=r,
         )
+        self.fence_records = Counter(
+            "agora_coordinator_fence_records_total",
+            "Fenced lease calls put on the audit record (the first per lease)",
+            registry=r,
+        )
         self.expired = Counter(
             "agora_coordinator_expired_leases_total", "Leases expired by TTL", registry=r
         )

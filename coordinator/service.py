@@ -22,6 +22,7 @@ from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.verify import PeerIds, verify
 from protocol import control as c
+from protocol.codec import schema_limits
 from protocol.corpus import Manifest, ShardInfo
 from protocol.errors import ProtocolError
 from protocol.launch import FacilityReport
@@ -100,6 +101,11 @@ class Service:
             c.AdminBan: self._ban,
             c.AdminPause: self._pause,
         }
+        # a body is read under the bounds of the requests answered here, the whole object's
+        # arrays and maps included: a signed body of a million empty arrays, each array
+        # within the per-array bound, is refused after a few thousand
+        requests = [c.StatusRequest, c.JoinRequest, FacilityReport, *self._handlers, *self._admin]
+        self.body_limits = schema_limits(*requests, max_size=cfg.max_request_bytes)
 
     # -- entry point --------------------------------------------------------------------
 
@@ -132,7 +138,7 @@ class Service:
         except ProtocolError as exc:
             return "unknown", _err("replay", str(exc))
         try:
-            body = decode_body(req, max_size=self.cfg.max_request_bytes)
+            body = decode_body(req, max_size=self.cfg.max_request_bytes, limits=self.body_limits)
         except ProtocolError as exc:
             return "unknown", _err("bad_request", str(exc))
         method = body.TYPE
@@ -146,6 +152,8 @@ class Service:
         except LeaseError as exc:
             if exc.code == "fenced":
                 self.metrics.fenced.inc()
+                if exc.recorded:
+                    self.metrics.fence_records.inc()
             return method, _err(exc.code, exc.detail)
         except Exception:  # a bug must not take the server down
             log.exception("internal error handling %s", method)

@@ -71,9 +71,12 @@ def open_envelope(payload: bytes, *, max_size: int = DEFAULT_MAX_FRAME) -> Signe
     return req
 
 
-def decode_body(req: SignedRequest, *, max_size: int = DEFAULT_MAX_FRAME) -> Message:
-    """The request inside a verified envelope."""
-    return decode(req.body, max_size=max_size, limits=request_limits(max_size))
+def decode_body(
+    req: SignedRequest, *, max_size: int = DEFAULT_MAX_FRAME, limits: UnpackLimits | None = None
+) -> Message:
+    """The request inside a verified envelope, under `limits` (default `request_limits`;
+    a server passes the tighter `schema_limits` of the requests it answers)."""
+    return decode(req.body, max_size=max_size, limits=limits or request_limits(max_size))
 
 
 def signed_bytes(key: bytes, ts: float, nonce: bytes, body: bytes, *, run: str | None) -> bytes:

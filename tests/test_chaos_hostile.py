@@ -5,9 +5,7 @@ One run of `agora chaos --hostile --minutes 0.75 --seed 1 --outer-every-steps 0`
 micro-batch commits at once, so commit growth shows within each 15 s third): every
 attack is played once. Asserted: nothing lost or duplicated, no honest process crashed,
 bounded RSS, every probe heartbeat answered within the lease TTL, commits grew in each
-third, and each attack whose defence this branch has got the defended answer. The
-attacks in `DEFENCE_PENDING` are played and judged, but their defences are not built
-yet; their outcome is reported, not asserted.
+third, and every attack got the defended answer.
 """
 
 from __future__ import annotations
@@ -26,14 +24,6 @@ from swarmlab.procs import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_RSS_MB = 1536.0  # per honest process, as in tests/test_chaos.py
-DEFENCE_PENDING = {
-    "amplify": "a signed body of a million empty arrays within the per-array limit is read",
-    "conn_flood": "no per-address connection cap",
-    "slow_drip": "no deadline for a whole frame",
-    "forged_facility": "facility reports need no launcher credential",
-    "fat_member": "membership replies are not paged",
-    "oversized_forward": "no row cap at the micro-batch size",
-}
 
 
 def test_hostile_plan_plays_every_attack_and_is_a_function_of_the_seed() -> None:
@@ -83,9 +73,7 @@ def test_short_hostile_run(tmp_path: Path) -> None:
     assert attacks["relay_flood"]["outcome"] == "not played: no relay in this swarm"
     for kind in ATTACKS:
         assert attacks[kind]["played"] == 1, (kind, summary)
-        if kind in DEFENCE_PENDING:
-            assert attacks[kind]["outcome"] in ("defended", "not_defended"), (kind, attacks[kind])
-        elif kind == "poison_backward":  # a defended rogue may also never be routed to
+        if kind == "poison_backward":  # a defended rogue may also never be routed to
             assert attacks[kind]["outcome"] in ("defended", "not_reached"), attacks[kind]
         else:
             assert attacks[kind]["outcome"] == "defended", (kind, attacks[kind])
