@@ -47,6 +47,7 @@ from swarmlab.chaos.control_wire import Control, code, learn_run, signed_frame
 
 FLOOD_CONNECTIONS = 400  # idle connections `conn_flood` opens from one address
 DRIPS = 4  # connections `slow_drip` feeds one byte a second
+DRIP_S = 15.0  # seconds `slow_drip` lasts at least: past the default `frame_deadline_s` (10)
 FLOOD_KEYS = 2000  # fresh keys of `key_flood`
 FAT_MEMBERS = 20  # members of `fat_member`, each with MAX_ADDRS maximal addresses
 MEMBERSHIP_BOUND = 64 << 10  # bytes of a full membership reply a defended coordinator sends
@@ -193,8 +194,8 @@ def slow_drip(host: str, port: int, hold_s: float) -> dict[str, Any]:
     for s in socks:
         s.sendall(HEADER.pack(256))  # promises 256 bytes, then sends one a second
     closed_at: dict[int, float] = {}
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < hold_s and len(closed_at) < len(socks):
+    t0, drip_s = time.monotonic(), max(hold_s, DRIP_S)
+    while time.monotonic() - t0 < drip_s and len(closed_at) < len(socks):
         time.sleep(1.0)
         for i, s in enumerate(socks):
             if i in closed_at:
