@@ -1,11 +1,13 @@
-"""A short `agora chaos --hostile` run: hostile attacks from real rogue processes and raw
-sockets against a real local swarm, judged by what the honest processes experienced.
+"""A short `agora chaos --hostile` run: hostile attacks from real rogue processes, raw
+sockets and a relay flooder against a real local swarm (whose coordinator runs its
+circuit relay), judged by what the honest processes experienced.
 
 One run of `agora chaos --hostile --minutes 0.75 --seed 1 --outer-every-steps 0` (every
 micro-batch commits at once, so commit growth shows within each 15 s third): every
 attack is played once. Asserted: nothing lost or duplicated, no honest process crashed,
 bounded RSS, every probe heartbeat answered within the lease TTL, commits grew in each
-third, and every attack got the defended answer.
+third, and every attack got the defended answer (for `relay_flood`: the member's own
+reservation accepted, every stranger's refused, none in another's name, the circuit cut).
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from swarmlab.chaos.hostile import ATTACKS, NOT_PLAYED, attack_hold_s, hostile_plan, summarize
+from swarmlab.chaos.hostile import (
+    ATTACKS,
+    RELAY_CIRCUIT_BYTES,
+    attack_hold_s,
+    hostile_plan,
+    summarize,
+)
 from swarmlab.chaos.member_attacks import poison_bound
+from swarmlab.chaos.relay_attacks import STRANGERS
 from swarmlab.chaos.schedule import ChaosConfig
 from swarmlab.procs import child_env
 
@@ -36,7 +45,7 @@ def test_hostile_plan_plays_every_attack_and_is_a_function_of_the_seed() -> None
     assert poison_bound(9.0) < poison_bound(600.0) < 9.0 * 2 / 0.3  # far below one per batch
 
 
-def test_summary_names_every_attack_and_the_unplayed_ones() -> None:
+def test_summary_names_every_attack_played_or_not() -> None:
     plays = [
         {"attack": "amplify", "outcome": "defended"},
         {"attack": "amplify", "outcome": "error"},
@@ -44,7 +53,7 @@ def test_summary_names_every_attack_and_the_unplayed_ones() -> None:
     out = summarize(plays)
     assert out["amplify"]["played"] == 2 and out["amplify"]["outcome"] == "mixed"
     assert out["slow_drip"] == {"played": 0, "outcome": "not played", "plays": []}
-    assert set(out) == set(ATTACKS) | set(NOT_PLAYED)
+    assert set(out) == set(ATTACKS) and "relay_flood" in ATTACKS
 
 
 @pytest.mark.timeout(480)  # swarm start-up on a loaded 2-core box, 45 s of attacks, drain
@@ -70,7 +79,6 @@ def test_short_hostile_run(tmp_path: Path) -> None:
     assert report["heartbeat_max_gap_s"] < report["lease_ttl_s"], summary
     assert report["commits_kept_growing"], summary
     assert all(isinstance(n, int) and n > 0 for n in report["commits_by_third"]), summary
-    assert attacks["relay_flood"]["outcome"] == "not played: no relay in this swarm"
     for kind in ATTACKS:
         assert attacks[kind]["played"] == 1, (kind, summary)
         if kind == "poison_backward":  # a defended rogue may also never be routed to
@@ -79,4 +87,10 @@ def test_short_hostile_run(tmp_path: Path) -> None:
             assert attacks[kind]["outcome"] == "defended", (kind, attacks[kind])
     replay = attacks["key_flood"]["plays"][0]["result"]["replay"]
     assert replay[-1] == "replay", replay
+    relay = attacks["relay_flood"]["plays"][0]["result"]
+    assert relay["own_reservation"] == "OK", relay  # the relay serves a member
+    assert relay["non_members"]["answers"] == {"PERMISSION_DENIED": STRANGERS}, relay
+    assert set(relay["in_others_names"].values()) == {"PERMISSION_DENIED"}, relay
+    cut = relay["circuit_cut"]
+    assert cut["circuits"] >= 2 and cut["pushed_bytes"] > RELAY_CIRCUIT_BYTES, cut
     assert report["ok"] is True and proc.returncode == 0, proc.stdout[-3000:]

@@ -3,13 +3,16 @@ the judgement of what the honest processes experienced meanwhile.
 
 `HostileRun` is a `Run` whose schedule (`hostile_plan`, a pure function of the seed)
 plays the attacks of `ATTACKS`, each from a fresh process: the raw-socket ones of
-`swarmlab.chaos.raw_attacks` and the member ones of `swarmlab.chaos.member_attacks`. A
+`swarmlab.chaos.raw_attacks`, the member ones of `swarmlab.chaos.member_attacks` and the
+flood of the coordinator's circuit relay of `swarmlab.chaos.relay_attacks` (the hostile
+swarm's coordinator runs its relay, with a small circuit byte limit; the honest nodes
+listen directly and never use it). A
 `HeartbeatProbe` (an observer member on its own connection) times a heartbeat every
 second and reads the committed tokens from the coordinator's status meanwhile. The
 report adds to `Run.finish`'s:
 
 - `attacks`: per attack, how often it was played, its outcome (`defended`,
-  `not_defended`, `not_reached`, `error`, or why it was not played) and each play's
+  `not_defended`, `not_reached`, `error`, `mixed` or `not played`) and each play's
   details: the attacker's replies, the heartbeat worst case and commit growth during it,
   and the coordinator's fenced / expired lease counters before and after;
 - `heartbeat_max_s` (slowest probe heartbeat, a failed one counted up to its failure),
@@ -43,8 +46,12 @@ log = logging.getLogger("agora.chaos")
 RAW = ("bad_addrs", "amplify", "conn_flood", "slow_drip", "stranger_lease", "forged_facility",
        "key_flood", "fat_member")  # fmt: skip
 MEMBER = ("poison_backward", "oversized_forward")
-ATTACKS = RAW + MEMBER
-NOT_PLAYED = {"relay_flood": "not played: no relay in this swarm"}
+RELAY = ("relay_flood",)
+ATTACKS = RAW + MEMBER + RELAY
+MODULES = {**dict.fromkeys(RAW, "swarmlab.chaos.raw_attacks"),
+           **dict.fromkeys(MEMBER, "swarmlab.chaos.member_attacks"),
+           **dict.fromkeys(RELAY, "swarmlab.chaos.relay_attacks")}  # fmt: skip
+RELAY_CIRCUIT_BYTES = 1 << 20  # the hostile coordinator's relay cuts a circuit past this
 ATTACK_GRACE_S = 120.0  # seconds an attacker may take beyond its hold (imports on a busy box)
 PROBE_EVERY_S = 1.0  # seconds between probe heartbeats
 STATUS_EVERY = 2  # probe heartbeats per status read
@@ -150,6 +157,7 @@ class HostileRun(Run):
     def __init__(self, cfg: ChaosConfig, name: str, faults: list[Fault]) -> None:
         super().__init__(cfg, name, faults)
         self.swarm.metrics = True  # the lease counters come from the coordinator's metrics
+        self.swarm.run_config.update(relay=True, relay_circuit_bytes=RELAY_CIRCUIT_BYTES)
         self.counts = {k: 0 for k in ATTACKS}
         self.skipped = {k: 0 for k in ATTACKS}
         self.plays: list[dict[str, Any]] = []
@@ -178,9 +186,10 @@ class HostileRun(Run):
         with self.lock:
             self.serial += 1
             out = self.workdir / f"attack{self.serial}-{f.kind}.json"
-        module = "swarmlab.chaos.raw_attacks" if f.kind in RAW else "swarmlab.chaos.member_attacks"
-        args = ["-m", module, "--coordinator", self.swarm.address, "--attack", f.kind,
-                "--hold", str(f.hold_s), "--json", str(out)]  # fmt: skip
+        args = ["-m", MODULES[f.kind], "--coordinator", self.swarm.address, "--attack", f.kind,
+                "--json", str(out)]  # fmt: skip
+        if f.kind not in RELAY:  # the relay flood is one burst
+            args += ["--hold", str(f.hold_s)]
         coord = self.swarm.coordinator
         if f.kind == "stranger_lease" and coord is not None and coord.metrics_port:
             args += ["--coordinator-metrics", f"127.0.0.1:{coord.metrics_port}"]
@@ -190,6 +199,8 @@ class HostileRun(Run):
                 self.skip(f.kind, why="no healthy stage-1 node")
                 return
             args += ["--victim", victim]
+        if f.kind == "relay_flood":
+            args += ["--circuit-bytes", str(RELAY_CIRCUIT_BYTES)]
         before = self._lease_counters()
         started = self.now()
         popen = spawn(out.with_suffix(".log"), args, cwd=REPO)
@@ -286,8 +297,6 @@ def summarize(plays: list[dict[str, Any]]) -> dict[str, Any]:
         outcomes = sorted({p["outcome"] for p in mine})
         outcome = outcomes[0] if len(outcomes) == 1 else ("mixed" if outcomes else "not played")
         out[kind] = {"played": len(mine), "outcome": outcome, "plays": mine}
-    for kind, why in NOT_PLAYED.items():
-        out[kind] = {"played": 0, "outcome": why, "plays": []}
     return out
 
 
