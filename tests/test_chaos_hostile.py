@@ -27,7 +27,7 @@ from swarmlab.chaos.hostile import (
     summarize,
 )
 from swarmlab.chaos.member_attacks import poison_bound
-from swarmlab.chaos.relay_attacks import STRANGERS
+from swarmlab.chaos.relay_attacks import STRANGERS, judge
 from swarmlab.chaos.schedule import ChaosConfig
 from swarmlab.procs import child_env
 
@@ -54,6 +54,32 @@ def test_summary_names_every_attack_played_or_not() -> None:
     assert out["amplify"]["played"] == 2 and out["amplify"]["outcome"] == "mixed"
     assert out["slow_drip"] == {"played": 0, "outcome": "not played", "plays": []}
     assert set(out) == set(ATTACKS) and "relay_flood" in ATTACKS
+
+
+def test_relay_flood_is_defended_only_if_every_answer_refused_and_the_circuit_was_cut() -> None:
+    refused = "PERMISSION_DENIED"
+    out = {
+        "own_reservation": "OK",
+        "in_others_names": {"honest_node": refused, "other_member": refused},
+        "circuit_to_stranger": "reset",
+        "non_members": {
+            "answers": {refused: 49, "NO_RESERVATION": 1},
+            "circuit_to_member": refused,
+        },
+        "circuit_cut": {"circuits": 2},
+    }
+    assert judge(out) is True
+    for path, value in ((("non_members", "answers"), {refused: 49, "OK": 1}),
+                        (("in_others_names",), {"honest_node": "OK"}),
+                        (("non_members", "answers"), {refused: 49, "timeout": 1}),
+                        (("circuit_cut",), {"circuits": 1})):  # fmt: skip
+        bad = json.loads(json.dumps(out))
+        inner = bad
+        for k in path[:-1]:
+            inner = inner[k]
+        inner[path[-1]] = value
+        assert judge(bad) is False, (path, value)
+    assert judge(out | {"own_reservation": "PERMISSION_DENIED"}) is None  # relay served nobody
 
 
 @pytest.mark.timeout(480)  # swarm start-up on a loaded 2-core box, 45 s of attacks, drain
