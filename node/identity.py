@@ -30,3 +30,12 @@ def load_or_create_key(path: Path) -> NodeKey:
         fh.write(key.seed)
     log.info("created identity %s (peer id %s)", path, key.peer_id)
     return key
+
+
+def read_token_file(path: Path) -> str:
+    """The first line of `path`, stripped; `ValueError` if it holds no token."""
+    lines = path.expanduser().read_text().splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ValueError(f"{path} holds no token")
+    return token

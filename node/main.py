@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from node.config import NodeConfig
-from node.identity import load_or_create_key
+from node.identity import load_or_create_key, read_token_file
 from protocol.identity import NodeKey
 
 if TYPE_CHECKING:
@@ -166,11 +166,7 @@ def join_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | No
     if args.join_token is not None:
         return str(args.join_token)
     if args.join_token_file is not None:
-        lines = Path(args.join_token_file).expanduser().read_text().splitlines()
-        token = lines[0].strip() if lines else ""
-        if not token:
-            raise ValueError(f"--join-token-file {args.join_token_file} holds no token")
-        return token
+        return read_token_file(Path(args.join_token_file))
     return environ.get("AGORA_JOIN_TOKEN") or None
 
 

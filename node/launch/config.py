@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from node.identity import read_token_file
 from node.launch.base import parse_walltime
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,15 +21,6 @@ SCRIPTS = {
     "slurm": REPO / "deploy/slurm/agora-node.sbatch",
     "pbs": REPO / "deploy/pbs/agora-node.pbs",
 }
-
-
-def read_token_file(path: Path) -> str:
-    """The first line of `path`, stripped; `ValueError` if it holds no token."""
-    lines = path.expanduser().read_text().splitlines()
-    token = lines[0].strip() if lines else ""
-    if not token:
-        raise ValueError(f"{path} holds no token")
-    return token
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -7,8 +7,11 @@ runs on a thread of the chaos process. `Control.call` times each round trip.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
+from collections.abc import Callable
+from typing import Any
 
 from protocol import control as c
 from protocol.codec import decode
@@ -104,3 +107,18 @@ class Control:
         self.send(signed_frame(key, body, run=run))
         reply = self.read()
         return reply, time.monotonic() - t
+
+
+def write_outcome(
+    path: str, play: Callable[[], dict[str, Any]], expected: tuple[type[BaseException], ...]
+) -> int:
+    """Play one attack and write its outcome to `path` as JSON. An `expected` error (the
+    target refused or dropped the attacker itself) is an outcome too, judged by nobody:
+    `defended` is None. Returns the attacker's exit status, 0."""
+    try:
+        result = play()
+    except expected as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"[:300], "defended": None}
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=2)
+    return 0

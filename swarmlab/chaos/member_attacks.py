@@ -19,7 +19,6 @@ Whether the honest nodes kept training meanwhile is judged by the caller
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -35,6 +34,7 @@ from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.message import Message
 from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
+from swarmlab.chaos.control_wire import write_outcome
 from swarmlab.chaos.rogue import MEMBER_WAIT_S, REQUEST_S, encoded, forward, send
 
 log = logging.getLogger("agora.chaos.member_attacks")
@@ -151,13 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", required=True, help="write the outcome here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s member_attacks: %(message)s")
-    try:
-        result = trio.run(main_async, args)
-    except (CoordinatorError, CoordinatorUnavailable, OSError) as exc:
-        result = {"error": f"{type(exc).__name__}: {exc}"[:300], "defended": None}
-    with open(args.json, "w") as fh:
-        json.dump(result, fh, indent=2)
-    return 0
+    return write_outcome(
+        args.json,
+        lambda: trio.run(main_async, args),
+        (CoordinatorError, CoordinatorUnavailable, OSError),
+    )
 
 
 if __name__ == "__main__":

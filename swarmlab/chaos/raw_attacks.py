@@ -26,7 +26,6 @@ experienced meanwhile is judged by the caller, `swarmlab.chaos.hostile`) and `ex
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import struct
 import sys
@@ -43,7 +42,7 @@ from protocol.framing import HEADER, frame_message
 from protocol.identity import NodeKey
 from protocol.launch import MAX_JOBS, FacilityJob, FacilityReport
 from protocol.signing import NONCE_SIZE, SignedRequest, signed_bytes
-from swarmlab.chaos.control_wire import Control, code, learn_run, signed_frame
+from swarmlab.chaos.control_wire import Control, code, learn_run, signed_frame, write_outcome
 
 FLOOD_CONNECTIONS = 400  # idle connections `conn_flood` opens from one address
 DRIPS = 4  # connections `slow_drip` feeds one byte a second
@@ -378,13 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     host, _, port = args.coordinator.rpartition(":")
     extra = {"metrics": args.coordinator_metrics} if args.attack == "stranger_lease" else {}
-    try:
-        result = ATTACKS[args.attack](host, int(port), args.hold, **extra)
-    except OSError as exc:  # the coordinator refused or dropped the attacker itself
-        result = {"error": f"{type(exc).__name__}: {exc}"[:300], "defended": None}
-    with open(args.json, "w") as fh:
-        json.dump(result, fh, indent=2)
-    return 0
+    return write_outcome(
+        args.json, lambda: ATTACKS[args.attack](host, int(port), args.hold, **extra), (OSError,)
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import logging
 import sys
 from typing import Any
@@ -39,6 +38,7 @@ from protocol import control as c
 from protocol.dataplane import ECHO_PROTOCOL, Echo
 from protocol.identity import NodeKey
 from protocol.message import Message
+from swarmlab.chaos.control_wire import write_outcome
 from swarmlab.chaos.rogue import MEMBER_WAIT_S, REQUEST_S
 
 log = logging.getLogger("agora.chaos.relay_attacks")
@@ -209,13 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", required=True, help="write the outcome here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s relay_attacks: %(message)s")
-    try:
-        result = trio.run(main_async, args)
-    except (CoordinatorError, CoordinatorUnavailable, OSError) as exc:
-        result = {"error": f"{type(exc).__name__}: {exc}"[:300], "defended": None}
-    with open(args.json, "w") as fh:
-        json.dump(result, fh, indent=2)
-    return 0
+    return write_outcome(
+        args.json,
+        lambda: trio.run(main_async, args),
+        (CoordinatorError, CoordinatorUnavailable, OSError),
+    )
 
 
 if __name__ == "__main__":
