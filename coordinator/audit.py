@@ -263,11 +263,14 @@ def audit(
     reports = replay(events, sizes)
     findings: list[Finding] = []
     for r in reports:
-        findings += [Finding("lost_range", "never committed", r.data_epoch, *x) for x in r.lost]
-        findings += [
-            Finding("duplicated_range", "committed more than once", r.data_epoch, *x)
-            for x in r.duplicated
-        ]
+        for name, what, ranges in (
+            ("lost_range", "never committed", r.lost),
+            ("duplicated_range", "committed more than once", r.duplicated),
+        ):
+            findings += [
+                Finding(name, what, r.data_epoch, shard_id=sid, start=a, end=b)
+                for sid, a, b in ranges
+            ]
     active = {int(row[0]) for row in lease_rows if row[9] == "active"}
     findings += reconcile.check_leases(events, active)
     data_epoch = int(meta.get("data_epoch", "0"))
