@@ -1,7 +1,7 @@
-"""`agora audit --db PATH`: replay the lease audit log and check exactly-once coverage.
+"""`agora audit --db PATH [--export DIR]`: reconcile a coordinator's records.
 
-Only `commit` records count as coverage; grants, expiries and fences explain how the
-commits came about. Per data epoch and shard the committed ranges are sorted and:
+The coverage replay (`replay`): only `commit` records count as coverage. Per data epoch
+and shard the committed ranges are sorted and:
 
 - a **duplicated** range is any token committed more than once;
 - a **lost** range of a *completed* epoch (one followed by an `epoch` rollover record)
@@ -9,7 +9,13 @@ commits came about. Per data epoch and shard the committed ranges are sorted and
 - a **lost** range of the *in-progress* epoch is a hole below the shard's highest
   committed offset (tokens above it are simply not processed yet).
 
-The command exits 1 if any range is lost or duplicated, 2 on a usage error, else 0.
+The command adds the reconciliation of `coordinator.reconcile` (every lease's life,
+re-queues, the shards table against the manifest and the log, refused commits whose
+training reached the state: "trained twice"), and with `--export DIR` the check that
+every stage-0 commit rode in a state on the exported model's lineage. It says which mode
+it ran in: `full_epoch` (at least one data epoch complete) or `in_progress`, and what
+that mode proves (docs/audit.md). Every problem is a named finding; the command exits 1
+on any finding, 2 on a usage error, else 0.
 """
 
 from __future__ import annotations
@@ -21,9 +27,14 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
+from coordinator import reconcile
 from coordinator.journal import AuditEvent
-from coordinator.store import read_audit, read_shard_sizes
+from coordinator.reconcile import Finding
+from coordinator.store import read_audit, read_leases, read_meta, read_shard_sizes
+from protocol.errors import ProtocolError
+from protocol.lineage import LINEAGE_FILE, LINEAGE_FORMAT, Link, check_lineage
 
 Range = tuple[int, int, int]  # (shard_id, start, end)
 
@@ -174,14 +185,169 @@ def _fmt(ranges: list[Range], limit: int = 20) -> str:
     return text + (f" ... (+{len(ranges) - limit} more)" if len(ranges) > limit else "")
 
 
+PROVES = {
+    "full_epoch": "every token of every training shard in each complete data epoch was"
+    " committed exactly once, by a lease granted for it; in the epoch in progress, no"
+    " token below a shard's committed offset was lost or committed twice",
+    "in_progress": "no data epoch is complete yet: no token below a shard's committed"
+    " offset was lost or committed twice; tokens above it are not trained yet, so"
+    " nothing is proven about them",
+}
+LINEAGE_PROVES = (
+    "every stage-0 commit rode in a state (round, digest) of the exported stage 0's chain:"
+    " the committing replica's stage-0 state held the range's training, and the exported"
+    " stage-0 state descends from that state. It proves nothing about other stages' states"
+    " beyond their own exported chains."
+)
+
+
+def export_chain(directory: Path) -> tuple[list[Link], dict[str, Any]]:
+    """Stage 0's chain from `DIR/lineage.json` and the per-stage summary; ValueError
+    when the file is missing or malformed."""
+    path = directory / LINEAGE_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != LINEAGE_FORMAT:
+        raise ValueError(f"{path} is not an {LINEAGE_FORMAT} file")
+    stages = doc.get("stages")
+    if not isinstance(stages, dict) or not isinstance(stages.get("0"), dict):
+        raise ValueError(f"{path} has no stage 0")
+    summary: dict[str, Any] = {}
+    chain: list[Link] = []
+    for key, entry in stages.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: stage {key!r} is not a map")
+        try:
+            links = check_lineage(entry.get("lineage", []), f"{path}: stage {key}")
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from exc
+        summary[str(key)] = {"round": entry.get("round"), "digest": entry.get("digest")}
+        if key == "0":
+            chain = links
+    return chain, summary
+
+
+def manifest_shards(meta: dict[str, str], config: Path | None) -> dict[int, int] | None:
+    """Shard id -> tokens of the manifest the database belongs to: rebuilt from the run's
+    dataset when `config` is given (checked against the database's dataset hash), else
+    as the coordinator recorded it at the run's start; None when neither is known."""
+    if config is not None:
+        from coordinator.config import load_config
+        from coordinator.dataset import load_dataset
+
+        manifest, _ = load_dataset(load_config(config, {}))
+        if meta.get("dataset_hash") != manifest.content_hash:
+            raise ValueError(
+                f"the database belongs to dataset {meta.get('dataset_hash')}, {config}'s"
+                f" dataset hashes to {manifest.content_hash}"
+            )
+        return {s.shard_id: s.tokens for s in manifest.train}
+    recorded = meta.get("train_shards")
+    if recorded is None:
+        return None
+    return {int(a): int(b) for a, b in json.loads(recorded)}
+
+
+def audit(
+    events: list[AuditEvent],
+    sizes: dict[int, int],
+    meta: dict[str, str],
+    lease_rows: list[tuple[Any, ...]],
+    shard_rows: dict[int, tuple[int, int]],
+    manifest: dict[int, int] | None,
+    chain: list[Link] | None,
+) -> dict[str, Any]:
+    """The whole report (plain data; `findings` empty when clean)."""
+    reports = replay(events, sizes)
+    findings: list[Finding] = []
+    for r in reports:
+        for name, what, ranges in (
+            ("lost_range", "never committed", r.lost),
+            ("duplicated_range", "committed more than once", r.duplicated),
+        ):
+            findings += [
+                Finding(name, what, r.data_epoch, shard_id=sid, start=a, end=b)
+                for sid, a, b in ranges
+            ]
+    active = {int(row[0]) for row in lease_rows if row[9] == "active"}
+    findings += reconcile.check_leases(events, active)
+    data_epoch = int(meta.get("data_epoch", "0"))
+    findings += reconcile.check_tables(events, shard_rows, data_epoch, manifest)
+    twice, found = reconcile.trained_twice(events, None if chain is None else set(chain))
+    findings += found
+    lineage: dict[str, Any] | None = None
+    if chain is not None:
+        lineage, found = reconcile.check_lineage(events, chain)
+        findings += found
+    mode = "full_epoch" if any(r.complete for r in reports) else "in_progress"
+    return {
+        "mode": mode,
+        "proves": PROVES[mode] + ("; " + LINEAGE_PROVES if chain is not None else ""),
+        "records": len(events),
+        "shards": len(sizes),
+        "manifest_checked": manifest is not None,
+        "committed_tokens": sum(r.committed_tokens for r in reports),
+        "lost_ranges": [[r.data_epoch, *x] for r in reports for x in r.lost],
+        "duplicated_ranges": [[r.data_epoch, *x] for r in reports for x in r.duplicated],
+        "trained_twice_tokens": twice,
+        "lineage": lineage,
+        "findings": [dataclasses.asdict(f) for f in findings],
+        "epochs": [dataclasses.asdict(r) for r in reports],
+    }
+
+
+def _print(db: Path, report: dict[str, Any]) -> None:
+    print(
+        f"audit of {db}: {report['records']} records, {report['shards']} shards;"
+        f" mode {report['mode']}"
+    )
+    for r in report["epochs"]:
+        state = "complete" if r["complete"] else "in progress"
+        print(
+            f"data epoch {r['data_epoch']} ({state}): committed {r['committed_tokens']} tokens"
+            f" in {r['commits']} commits; lost {len(r['lost'])} ranges; duplicated"
+            f" {len(r['duplicated'])} ranges"
+        )
+        if r["lost"]:
+            print(f"  lost: {_fmt([tuple(x) for x in r['lost']])}")
+        if r["duplicated"]:
+            print(f"  duplicated: {_fmt([tuple(x) for x in r['duplicated']])}")
+    print(f"trained twice: {report['trained_twice_tokens']} tokens")
+    if not report["manifest_checked"]:
+        print("shards vs manifest: not checked (no manifest recorded; pass --config)")
+    if report["lineage"] is not None:
+        print(f"lineage: {json.dumps(report['lineage'])}")
+    findings = report["findings"]
+    for f in findings[:50]:
+        print(
+            f"FINDING {f['name']}: {f['detail']} (data epoch {f['data_epoch']}, shard"
+            f" {f['shard_id']}, lease {f['lease_id']}, [{f['start']}, {f['end']}))"
+        )
+    if len(findings) > 50:
+        print(f"... and {len(findings) - 50} more findings")
+    print(f"proves: {report['proves']}")
+    print("NOT CLEAN" if findings else "clean")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="agora audit",
-        description="Replay a coordinator's lease audit log and report, per data epoch, lost"
-        " and duplicated token ranges and the committed tokens. Exit 1 if any range is lost"
-        " or duplicated.",
+        description="Reconcile a coordinator's lease audit log: lost and duplicated token"
+        " ranges per data epoch, every lease's life, re-queues, the shards table against"
+        " the manifest, tokens trained twice, and with --export the lineage of every"
+        " commit. Exit 1 on any finding.",
     )
     parser.add_argument("--db", required=True, type=Path, help="the coordinator's SQLite file")
+    parser.add_argument(
+        "--export", type=Path, help="an `agora export` directory: check every stage-0 commit"
+        " against its lineage.json",
+    )  # fmt: skip
+    parser.add_argument(
+        "--config", type=Path, help="the run's config: rebuild the manifest from its dataset"
+        " and check the shards table against it",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
     if not args.db.is_file():
@@ -190,26 +356,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         events = read_audit(args.db)
         sizes = read_shard_sizes(args.db)
+        meta = read_meta(args.db)
+        leases = read_leases(args.db)
+        shard_rows = _shard_rows(args.db)
     except Exception as exc:  # sqlite3.Error and friends: report, do not trace
         print(f"agora audit: cannot read {args.db}: {exc}", file=sys.stderr)
         return 2
-    reports = replay(events, sizes)
-    print(f"audit of {args.db}: {len(events)} records, {len(sizes)} shards")
-    for r in reports:
-        state = "complete" if r.complete else "in progress"
-        verdict = "clean" if r.clean else "NOT CLEAN"
-        print(
-            f"data epoch {r.data_epoch} ({state}): committed {r.committed_tokens} tokens in"
-            f" {r.commits} commits; lost {len(r.lost)} ranges; duplicated"
-            f" {len(r.duplicated)} ranges: {verdict}"
-        )
-        if r.lost:
-            print(f"  lost: {_fmt(r.lost)}")
-        if r.duplicated:
-            print(f"  duplicated: {_fmt(r.duplicated)}")
+    try:
+        manifest = manifest_shards(meta, args.config)
+        chain, stages = export_chain(args.export) if args.export else (None, None)
+    except (ValueError, OSError) as exc:
+        print(f"agora audit: {exc}", file=sys.stderr)
+        return 2
+    report = audit(events, sizes, meta, leases, shard_rows, manifest, chain)
+    if stages is not None:
+        report["export"] = {"path": str(args.export), "stages": stages}
+    _print(args.db, report)
     if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
-    return 0 if all(r.clean for r in reports) else 1
+        args.json.write_text(json.dumps(report, indent=1))
+    return 1 if report["findings"] else 0
+
+
+def _shard_rows(db: Path) -> dict[int, tuple[int, int]]:
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT shard_id, tokens, committed FROM shards").fetchall()
+    finally:
+        conn.close()
+    return {int(a): (int(b), int(c)) for a, b, c in rows}
 
 
 if __name__ == "__main__":

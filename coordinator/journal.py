@@ -22,7 +22,11 @@ class Row(Protocol):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AuditEvent:
-    """One append-only audit record (ranges are token offsets within the shard)."""
+    """One append-only audit record (ranges are token offsets within the shard).
+
+    `stage`, `round` and `digest` are a commit's (or a refused commit's, `fence`)
+    lineage as the committing replica reported it: the global state that holds the
+    range's training. -1 / "" when not known (no outer loop, other kinds, older logs)."""
 
     ts: float  # unix seconds
     data_epoch: int
@@ -33,6 +37,9 @@ class AuditEvent:
     epoch: int  # fencing epoch
     start: int  # tokens
     end: int  # tokens
+    stage: int = -1  # the committing replica's stage
+    round: int = -1  # outer round (outer steps) of the state the range rode in
+    digest: str = ""  # that state's digest, hex
 
 
 @dataclasses.dataclass(slots=True)

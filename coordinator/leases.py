@@ -34,6 +34,8 @@ from coordinator.journal import AuditEvent, Journal
 ACTIVE, COMPLETE, RELEASED, EXPIRED = "active", "complete", "released", "expired"
 PENDING, LEASED, DONE = "pending", "leased", "done"
 RECENT_LEASES = 100_000  # finished leases kept in memory for idempotent retries
+Lineage = tuple[int, int, str]  # (stage, outer round, state digest) a commit rode in
+NO_LINEAGE: Lineage = (-1, -1, "")
 
 
 class LeaseError(Exception):
@@ -209,10 +211,20 @@ class LeaseBook:
         return lease
 
     def commit(
-        self, holder: str, lease_id: int, epoch: int, start: int, end: int, now: float
+        self,
+        holder: str,
+        lease_id: int,
+        epoch: int,
+        start: int,
+        end: int,
+        now: float,
+        lineage: Lineage = NO_LINEAGE,
     ) -> tuple[Lease, bool]:
-        """Commit `[start, end)`; returns (lease, shard_done)."""
-        lease = self._owned(holder, lease_id, epoch, now, start, end, allow_complete=True)
+        """Commit `[start, end)`; returns (lease, shard_done). `lineage` is recorded with
+        the commit (or with its fence, when refused)."""
+        lease = self._owned(
+            holder, lease_id, epoch, now, start, end, allow_complete=True, lineage=lineage
+        )
         if start == lease.last_start and end == lease.committed:  # a retry of the last commit
             return lease, lease.state == COMPLETE and lease.limit == lease.shard_tokens
         if lease.state == COMPLETE:
@@ -230,7 +242,7 @@ class LeaseBook:
         lease.committed = shard.committed = end
         lease.last_start = start
         self._touch(shard, lease)
-        self._audit(now, "commit", lease, start, end)
+        self._audit(now, "commit", lease, start, end, lineage)
         if end < lease.limit:
             return lease, False
         return lease, self._finish(lease, shard, now)
@@ -277,7 +289,11 @@ class LeaseBook:
         end: int,
         *,
         allow_complete: bool,
+        lineage: Lineage = NO_LINEAGE,
     ) -> Lease:
+        def fence(why: str) -> None:
+            self._fence(holder, lease_id, epoch, now, start, end, why, lineage)
+
         lease = self.leases.get(lease_id)
         if lease is None:
             if 0 < lease_id < self.next_lease_id:  # ended long ago: its end is on record
@@ -288,14 +304,22 @@ class LeaseBook:
             # gets here, and a guess must not cost an audited, durable write
             self._refuse(lease_id, epoch, "held by another peer")
         if lease.epoch != epoch:
-            self._fence(holder, lease_id, epoch, now, start, end, f"epoch {epoch} != {lease.epoch}")
+            fence(f"epoch {epoch} != {lease.epoch}")
         if lease.state == ACTIVE or (allow_complete and lease.state == COMPLETE):
             return lease
-        self._fence(holder, lease_id, epoch, now, start, end, f"lease was {lease.state}")
+        fence(f"lease was {lease.state}")
         raise AssertionError("unreachable")
 
     def _fence(
-        self, holder: str, lease_id: int, epoch: int, now: float, start: int, end: int, why: str
+        self,
+        holder: str,
+        lease_id: int,
+        epoch: int,
+        now: float,
+        start: int,
+        end: int,
+        why: str,
+        lineage: Lineage = NO_LINEAGE,
     ) -> None:
         """Refuse a call of the holder on its own lease that has moved on. The first such
         call is put on the record; repeats (a retry, or a member hammering its old lease)
@@ -306,8 +330,8 @@ class LeaseBook:
             lease.fence_recorded = True
             self.journal.audit.append(
                 AuditEvent(
-                    now, self.data_epoch, "fence", lease.shard_id, lease_id, holder, epoch, start,
-                    end,
+                    now, lease.data_epoch, "fence", lease.shard_id, lease_id, holder, epoch, start,
+                    end, *lineage,
                 )
             )  # fmt: skip
         self._refuse(lease_id, epoch, why, recorded=recorded)
@@ -403,7 +427,15 @@ class LeaseBook:
         self.journal.leases[lease.lease_id] = lease
         lease.saved_expires_at = lease.expires_at
 
-    def _audit(self, now: float, kind: str, lease: Lease, start: int, end: int) -> None:
+    def _audit(
+        self,
+        now: float,
+        kind: str,
+        lease: Lease,
+        start: int,
+        end: int,
+        lineage: Lineage = NO_LINEAGE,
+    ) -> None:
         self.journal.audit.append(
             AuditEvent(
                 now,
@@ -415,6 +447,7 @@ class LeaseBook:
                 lease.epoch,
                 start,
                 end,
+                *lineage,
             )
         )
 

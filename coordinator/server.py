@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -160,6 +161,9 @@ def build_state(
         journal.meta.update(
             {"dataset_hash": manifest.content_hash, "run_id": cfg.run_id, "data_epoch": "0"}
         )
+    if "train_shards" not in snap.meta:  # the manifest `agora audit` checks the table against
+        shards_ = [[s.shard_id, s.tokens] for s in manifest.train]
+        journal.meta["train_shards"] = json.dumps(shards_, separators=(",", ":"))
     membership = Membership(
         n_stages=cfg.n_stages,
         stage_costs=cfg.costs(),

@@ -378,8 +378,13 @@ class Service:
         before = self.book.data_epoch
         lease = self.book.leases.get(req.lease_id)
         offset = lease.committed if lease is not None else None
+        lineage = (
+            -1 if req.stage is None else req.stage,
+            -1 if req.round is None else req.round,
+            req.digest,
+        )
         lease, done = self.book.commit(
-            peer.peer_id, req.lease_id, req.epoch, req.start, req.end, now
+            peer.peer_id, req.lease_id, req.epoch, req.start, req.end, now, lineage
         )
         if offset is not None and lease.committed > offset:
             self.metrics.committed.inc(lease.committed - offset)

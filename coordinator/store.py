@@ -39,8 +39,18 @@ CREATE TABLE IF NOT EXISTS audit (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, data_epoch INTEGER NOT NULL,
     kind TEXT NOT NULL, shard_id INTEGER NOT NULL, lease_id INTEGER NOT NULL,
     holder TEXT NOT NULL, epoch INTEGER NOT NULL, start INTEGER NOT NULL,
-    "end" INTEGER NOT NULL);
+    "end" INTEGER NOT NULL, stage INTEGER NOT NULL DEFAULT -1,
+    round INTEGER NOT NULL DEFAULT -1, digest TEXT NOT NULL DEFAULT '');
 """
+# Columns added to the audit table after its first release; `migrate` adds them to an
+# older database (its rows read as "lineage not known").
+AUDIT_ADDED = (
+    ("stage", "INTEGER NOT NULL DEFAULT -1"),
+    ("round", "INTEGER NOT NULL DEFAULT -1"),
+    ("digest", "TEXT NOT NULL DEFAULT ''"),
+)
+AUDIT_COLUMNS = 'ts, data_epoch, kind, shard_id, lease_id, holder, epoch, start, "end"'
+
 
 MLOG_KEEP = 100_000  # membership changes loaded at start (deltas older than that get a full view)
 RECENT_LEASES = 10_000  # finished leases loaded at start (for idempotent retries)
@@ -81,6 +91,7 @@ class SQLiteStore:
         self.path = Path(path)
         self.conn = connect(self.path, sync=sync)
         self.conn.executescript(SCHEMA)
+        migrate(self.conn)
 
     def load(self) -> Snapshot:
         c = self.conn
@@ -129,8 +140,8 @@ class SQLiteStore:
                 )
             if batch.audit:
                 c.executemany(
-                    "INSERT INTO audit (ts, data_epoch, kind, shard_id, lease_id, holder,"
-                    ' epoch, start, "end") VALUES (?,?,?,?,?,?,?,?,?)',
+                    f"INSERT INTO audit ({AUDIT_COLUMNS}, stage, round, digest)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                     [dataclasses.astuple(e) for e in batch.audit],
                 )
             c.execute("COMMIT")
@@ -142,17 +153,53 @@ class SQLiteStore:
         self.conn.close()
 
 
+def migrate(conn: sqlite3.Connection) -> None:
+    """Add the audit columns an older database lacks (idempotent)."""
+    have = _columns(conn, "audit")
+    for name, decl in AUDIT_ADDED:
+        if name not in have:
+            conn.execute(f"ALTER TABLE audit ADD COLUMN {name} {decl}")
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")}
+
+
+def _audit_select(conn: sqlite3.Connection) -> str:
+    """The audit columns to read, with defaults for those an unmigrated file lacks."""
+    have = _columns(conn, "audit")
+    added = [
+        name if name in have else f"{decl.split()[-1]} AS {name}" for name, decl in AUDIT_ADDED
+    ]
+    return f"{AUDIT_COLUMNS}, {', '.join(added)}"
+
+
 def read_audit(path: Path | str) -> list[AuditEvent]:
-    """Every audit record, in order (read-only)."""
+    """Every audit record, in order (read-only; an older file's lineage reads as unknown)."""
     conn = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)
     try:
-        rows = conn.execute(
-            'SELECT ts, data_epoch, kind, shard_id, lease_id, holder, epoch, start, "end"'
-            " FROM audit ORDER BY seq"
-        ).fetchall()
+        rows = conn.execute(f"SELECT {_audit_select(conn)} FROM audit ORDER BY seq").fetchall()
     finally:
         conn.close()
     return [AuditEvent(*r) for r in rows]
+
+
+def read_meta(path: Path | str) -> dict[str, str]:
+    """The meta table (read-only)."""
+    conn = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)
+    try:
+        return {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+    finally:
+        conn.close()
+
+
+def read_leases(path: Path | str) -> list[tuple[Any, ...]]:
+    """Every lease row (read-only), in lease id order."""
+    conn = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT * FROM leases ORDER BY lease_id").fetchall()
+    finally:
+        conn.close()
 
 
 def read_epoch_events(path: Path | str, min_epoch: int) -> list[AuditEvent]:
@@ -160,7 +207,7 @@ def read_epoch_events(path: Path | str, min_epoch: int) -> list[AuditEvent]:
     conn = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)
     try:
         rows = conn.execute(
-            'SELECT ts, data_epoch, kind, shard_id, lease_id, holder, epoch, start, "end"'
+            f"SELECT {_audit_select(conn)}"
             " FROM audit WHERE data_epoch >= ? AND kind IN ('commit', 'epoch') ORDER BY seq",
             (min_epoch,),
         ).fetchall()

@@ -9,7 +9,8 @@ A checkpoint of stage K is two files in the checkpoint directory:
   rename publishes weights and description together.
 - `stage{K}.json`: the same description for people and tools (`format`, `version`,
   `run_id`, `preset`, `seed`, `stage`, `n_stages`, `round`, `numel`, `momentum`,
-  `created_at`, `sha256` of the safetensors file).
+  `created_at`, `digest` and `lineage`: the state's digest and the chain of (round,
+  digest) it descends from, `protocol.lineage`; `sha256` of the safetensors file).
 
 Both are written to a temporary file in the same directory, fsynced and renamed over
 the old one, so a reader never sees a half-written checkpoint. `StageCheckpointer` is
@@ -27,11 +28,15 @@ import re
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from protocol.control import digest_problem
+from protocol.errors import ProtocolError
+from protocol.lineage import Link, check_lineage
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,8 @@ class CheckpointMeta:
     numel: int  # parameters of the stage (elements)
     momentum: bool = False  # whether outer_m.* tensors are stored
     created_at: float = 0.0  # unix seconds
+    digest: str = ""  # the outer process's digest of this state (hex; "" = not known)
+    lineage: tuple[Link, ...] = ()  # the state's chain, ending with it (protocol.lineage)
     format: str = CHECKPOINT_FORMAT
     version: int = CHECKPOINT_VERSION
 
@@ -75,6 +82,13 @@ class CheckpointMeta:
             meta = cls(**{k: v for k, v in data.items() if k in names})
         except TypeError as exc:
             raise CheckpointError(f"{where}: {exc}") from exc
+        try:
+            lineage = tuple(check_lineage(list(meta.lineage), f"{where}: lineage"))
+        except (ProtocolError, TypeError) as exc:
+            raise CheckpointError(str(exc)) from exc
+        if not isinstance(meta.digest, str) or digest_problem(meta.digest) is not None:
+            raise CheckpointError(f"{where}: bad digest {meta.digest!r:.80}")
+        meta = replace(meta, lineage=lineage)
         ints = (meta.seed, meta.stage, meta.n_stages, meta.round, meta.numel)
         if not all(isinstance(v, int) and v >= 0 for v in ints) or meta.stage >= meta.n_stages:
             raise CheckpointError(f"{where}: bad stage/round fields in {data!r:.300}")
@@ -244,13 +258,19 @@ class StageCheckpointer:
         return final or self._applied >= self.every_rounds
 
     def capture(
-        self, theta_g: torch.Tensor, momentum: torch.Tensor, round_: int
+        self,
+        theta_g: torch.Tensor,
+        momentum: torch.Tensor,
+        round_: int,
+        digest: str = "",
+        lineage: Sequence[Link] = (),
     ) -> tuple[CheckpointMeta, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The state (theta_g and the outer momentum, flat) as named tensors ready to
-        write (call on the torch worker thread)."""
+        write, with its digest and chain (call on the torch worker thread)."""
         meta = CheckpointMeta(
             run_id=self.run_id, preset=self.preset, seed=self.seed, stage=self.stage, n_stages=self.n_stages, round=round_,
-            numel=self.numel, momentum=True, created_at=time.time(),
+            numel=self.numel, momentum=True, created_at=time.time(), digest=digest,
+            lineage=tuple(lineage),
         )  # fmt: skip
         return (
             meta,
@@ -294,7 +314,7 @@ class CheckpointHook:
                 return None  # not due, or this state is on disk already
             assert state.momentum is not None, "a live outer loop's state has a momentum"
             meta, tensors, momentum = await self.worker.run(
-                ck.capture, state.theta_g, state.momentum, state.round
+                ck.capture, state.theta_g, state.momentum, state.round, state.digest, state.lineage
             )
             try:
                 path: Path = await trio.to_thread.run_sync(ck.write, meta, tensors, momentum)
@@ -330,6 +350,8 @@ class GlobalState:
     momentum: torch.Tensor | None  # flat fp32, when known
     round: int  # outer steps in the state
     path: Path | None = None  # the checkpoint file it was read from, if any
+    digest: str = ""  # the outer process's digest of the state (hex; "" = not known)
+    lineage: tuple[Link, ...] = ()  # its chain, ending with it (protocol.lineage)
 
 
 def resume_state(
@@ -367,4 +389,7 @@ def resume_state(
     mom = None
     if ck.momentum is not None and sorted(ck.momentum) == sorted(ck.tensors):
         mom = torch.cat([ck.momentum[n].flatten() for n, _ in named])
-    return GlobalState(theta_g=flat, momentum=mom, round=ck.meta.round, path=path)
+    return GlobalState(
+        theta_g=flat, momentum=mom, round=ck.meta.round, path=path, digest=ck.meta.digest,
+        lineage=ck.meta.lineage,
+    )  # fmt: skip

@@ -351,10 +351,23 @@ class CoordinatorClient:
         assert isinstance(reply, c.LeaseGrant)
         return reply
 
-    async def commit(self, lease: c.LeaseInfo, start: int, end: int) -> c.LeaseReply:
-        """Commit `[start, end)` of the lease's shard (start = committed offset).
-        Raises `FencedError` if the lease was fenced."""
-        body = c.LeaseCommit(lease_id=lease.lease_id, epoch=lease.epoch, start=start, end=end)
+    async def commit(
+        self,
+        lease: c.LeaseInfo,
+        start: int,
+        end: int,
+        *,
+        stage: int | None = None,
+        round_: int | None = None,
+        digest: str = "",
+    ) -> c.LeaseReply:
+        """Commit `[start, end)` of the lease's shard (start = committed offset), with the
+        lineage it rode in when known (stage, outer round, state digest). Raises
+        `FencedError` if the lease was fenced."""
+        body = c.LeaseCommit(
+            lease_id=lease.lease_id, epoch=lease.epoch, start=start, end=end,
+            stage=stage, round=round_, digest=digest,
+        )  # fmt: skip
         reply = await self._typed(body, c.LeaseReply)
         assert isinstance(reply, c.LeaseReply)
         return reply

@@ -14,14 +14,16 @@ Shared by both ways `agora export` gets its states (node.export is the command):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from node.checkpoint import Checkpoint, CheckpointError, find_checkpoints, read_checkpoint
 from node.model import ModelConfig, Stage, build_model, load_stage_weights, preset, save_export
+from protocol.lineage import LINEAGE_FILE, LINEAGE_FORMAT, Link, to_plain
 
 
 class ExportError(ValueError):
@@ -35,6 +37,9 @@ class Assembled:
     run_id: str
     rounds: dict[int, int]  # stage -> outer round of the state used
     sources: dict[int, str]  # stage -> file it came from
+    digests: dict[int, str] = field(default_factory=dict)  # stage -> state digest (hex)
+    # stage -> the chain of (round, digest) the state descends from, ending with it
+    lineages: dict[int, tuple[Link, ...]] = field(default_factory=dict)
 
 
 def choose_stages(checkpoints: Sequence[Checkpoint]) -> dict[int, Checkpoint]:
@@ -104,6 +109,8 @@ def assemble_checkpoints(paths: Sequence[Path]) -> Assembled:
         run_id=meta.run_id,
         rounds={s: ck.meta.round for s, ck in sorted(chosen.items())},
         sources={s: str(ck.path) for s, ck in sorted(chosen.items())},
+        digests={s: ck.meta.digest for s, ck in sorted(chosen.items())},
+        lineages={s: ck.meta.lineage for s, ck in sorted(chosen.items())},
     )
 
 
@@ -111,4 +118,27 @@ def export_checkpoints(paths: Sequence[Path], out: Path) -> Assembled:
     """`assemble_checkpoints` and write the export format to `out`."""
     got = assemble_checkpoints(paths)
     save_export(got.model, got.config, out)
+    write_lineage(got, out)
     return got
+
+
+def write_lineage(got: Assembled, out: Path) -> Path:
+    """`OUT/lineage.json`: per stage the round and digest of the state exported and the
+    chain of (round, digest) in its history (`protocol.lineage`; empty when the source
+    did not record it). `agora audit --export OUT` checks stage 0's commits against it."""
+    doc = {
+        "format": LINEAGE_FORMAT,
+        "version": 1,
+        "run_id": got.run_id,
+        "stages": {
+            str(s): {
+                "round": r,
+                "digest": got.digests.get(s, ""),
+                "lineage": to_plain(list(got.lineages.get(s, ()))),
+            }
+            for s, r in sorted(got.rounds.items())
+        },
+    }
+    path = Path(out) / LINEAGE_FILE
+    path.write_text(json.dumps(doc, indent=1))
+    return path

@@ -37,7 +37,7 @@ from node.coordinator_client import (
     CoordinatorError,
     CoordinatorUnavailable,
 )
-from node.export_assembly import Assembled, ExportError, assemble
+from node.export_assembly import Assembled, ExportError, assemble, write_lineage
 from node.model import ModelConfig, build_stage, preset, save_export
 from node.p2p.host import Libp2pTransport
 from node.p2p.transport import P2PConfig, RequestRefused, TransportError
@@ -415,6 +415,7 @@ def export_live(address: str, out: Path, opts: LiveOptions) -> Assembled:
         run, states = trio.run(fetch_live, host, port, opts)
     got = assemble_live(run, states)
     save_export(got.model, got.config, out)
+    write_lineage(got, out)  # rounds only: /agora/state/1 does not carry the chain
     return got
 
 

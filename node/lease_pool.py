@@ -86,6 +86,8 @@ class RoundFacts:
     adopted: bool  # its state was replaced by another replica's (rebase or download)
     merged: bool  # a group of two or more merged the round (not stepped alone)
     sole: bool  # no other replica trains this stage
+    round: int = -1  # outer round (outer steps) of the state held after the round
+    digest: str = ""  # that state's digest (hex; "" = not known)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ from node.outer.contract import (
 )
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder
+from protocol.lineage import Link
 
 __all__ = [
     "COMPRESSIONS",
@@ -116,6 +117,7 @@ class OuterLink:
         self.round = 0
         self._state_timeout = OuterConfig().state_timeout_s  # s, replaced by start()
         self.digest = ""  # digest of the outer process's state after the last operation
+        self.lineage: list[Link] = []  # that state's chain, ending with it (protocol.lineage)
 
     @classmethod
     def start(
@@ -196,6 +198,7 @@ class OuterLink:
         *,
         momentum: torch.Tensor | None = None,
         round_: int = 0,
+        lineage: Sequence[Link] = (),
     ) -> None:
         """Make `params` the global state (the first replica of a stage): at round 0 with
         zero momentum, or at `round_` with the flat `momentum` of a checkpoint."""
@@ -210,8 +213,9 @@ class OuterLink:
                     f"momentum holds {momentum.numel()} elements, the link {self.numel}"
                 )
             self._m.copy_(momentum.detach().flatten())
-        self._send(SetState(round=round_, momentum=momentum is not None))
-        self.digest = self._expect(StateSet, timeout).digest
+        self._send(SetState(round=round_, momentum=momentum is not None, lineage=list(lineage)))
+        got = self._expect(StateSet, timeout)
+        self.digest, self.lineage = got.digest, got.lineage
         self.round = round_
         self.stall_s += time.monotonic() - t0
 
@@ -228,6 +232,7 @@ class OuterLink:
             return None
         self.round = reply.round
         self.digest = reply.digest
+        self.lineage = reply.lineage
         return self.round
 
     def begin_round(
@@ -339,6 +344,7 @@ class OuterLink:
             raise OuterLinkError(f"expected a round result, got {reply!r:.200}")
         self.round = reply.round
         self.digest = reply.digest
+        self.lineage = reply.lineage
         return reply
 
     def _send(self, cmd: Command) -> None:

@@ -144,8 +144,11 @@ class OuterRounds:
             return
         await self.worker.run(
             lambda: self.link.set_initial_state(
-                [resume.theta_g], momentum=resume.momentum, round_=resume.round
-            )
+                [resume.theta_g],
+                momentum=resume.momentum,
+                round_=resume.round,
+                lineage=resume.lineage,
+            )  # fmt: skip
         )
         if keep_progress:  # the weights stay as they are: progress on top of theta_g
             log.info("outer: kept its stage's global state at round %d", resume.round)
@@ -163,6 +166,8 @@ class OuterRounds:
             theta_g=self.link.theta_g().detach().to("cpu", torch.float32).clone(),
             momentum=self.link.momentum().detach().to("cpu", torch.float32).clone(),
             round=int(self.link.round),
+            digest=self.link.digest,
+            lineage=tuple(self.link.lineage),
         )
 
     def _rebase(self, params: list[Any], base: torch.Tensor) -> None:
@@ -263,6 +268,8 @@ class OuterRounds:
             adopted=result.rebased,
             merged=result.group_size > 1,
             sole=self._sole_fn(),
+            round=result.round,
+            digest=result.digest,
         )
         await self._on_round(await self.worker.run(self.capture), facts)
 

@@ -75,6 +75,9 @@ class Stage0Driver:
         self.on_out_of_work: Callable[[], None] | None = None
         self.losses: deque[float] = deque(maxlen=32)  # the last micro-batch losses
         self._commit_lock = trio.Lock()  # commits go out one at a time, in order
+        # (outer round, digest) of the global state that holds the ranges committed now;
+        # None without an outer loop
+        self._lineage: tuple[int, str] | None = None
 
     @classmethod
     def for_node(
@@ -195,6 +198,8 @@ class Stage0Driver:
         """An outer round's result is in: the pool's commit rule decides what is
         committed and what goes back to be trained again."""
         verdict = self.pool.round_result(facts)
+        if verdict.commits:  # the state these commits rode in (recorded with them)
+            self._lineage = (facts.round, facts.digest)
         for rng in verdict.returned:
             log.info(
                 "node: lease %d tokens %d..%d did not reach the global state; training them again",
@@ -211,7 +216,8 @@ class Stage0Driver:
         if not self.pool.pending(rng):  # fenced since the list was made
             return
         try:
-            await self.client.commit(lease, rng.start, rng.end)
+            rnd, digest = self._lineage or (None, "")
+            await self.client.commit(lease, rng.start, rng.end, stage=0, round_=rnd, digest=digest)
         except FencedError as exc:
             log.warning("node: lease %d fenced at commit: %s", lease.lease_id, exc)
             self.pool.fence(lease.lease_id)

@@ -39,7 +39,8 @@ Node-facing calls (request -> reply):
   deadline allows only part of it (deadline-aware granting).
 - `LeaseCommit(lease_id, epoch, start, end)` -> `LeaseReply`: commit `[start, end)`;
   `start` must equal the lease's committed offset (commits are monotonic) and
-  `end <= limit`. Committing up to `limit` completes the lease. Repeating the last
+  `end <= limit`. Optional `stage`, `round` and `digest` name the global state the
+  range's training reached (its lineage); the coordinator records them in the audit log. Committing up to `limit` completes the lease. Repeating the last
   commit exactly is acknowledged again (safe retry). A stale holder gets
   `ErrorReply(code="fenced")`.
 - `LeaseComplete(lease_id, epoch)` -> `LeaseReply`: confirm a lease whose committed
@@ -64,12 +65,21 @@ from protocol.message import Message, bounded, message, record
 
 __all__ = ["MAX_ADDRS"]  # re-exported: the bound of every address list below
 
+MAX_DIGEST_CHARS = 64  # characters of a state digest (lowercase hex)
 MAX_PEERS_PER_PAGE = 4096  # entries (peers + left) in one MembershipReply
 PEER_ID_LEN = 128  # characters, upper bound on a base58 peer id
 # bytes, upper bound on one encoded PeerInfo within the bounds below (two lists of
 # MAX_ADDRS addresses of MAX_CHARS characters, a peer id, a device); a membership page
 # of n entries fits a reply frame of n * MAX_PEER_INFO_BYTES + 4096 bytes
 MAX_PEER_INFO_BYTES = 5120
+
+
+def digest_problem(value: str) -> str | None:
+    """Why `value` is not a state digest (lowercase hex, may be empty), or None."""
+    if value.strip("0123456789abcdef"):
+        return "a digest is lowercase hex"
+    return None
+
 
 ERROR_CODES = (
     "bad_request",  # malformed or invalid request (detail says what)
@@ -271,6 +281,12 @@ class LeaseCommit(Message):
     epoch: int = bounded(ge=0)
     start: int = bounded(ge=0)  # must equal the committed offset
     end: int = bounded(ge=0)  # exclusive; start < end <= limit
+    # The lineage the range rode in, recorded in the audit log (None / "" = not known,
+    # e.g. no outer loop): the committing replica's stage, the outer round (outer steps)
+    # of the global state that holds the range's training, and that state's digest.
+    stage: int | None = bounded(ge=0, le=1023, default=None)
+    round: int | None = bounded(ge=0, default=None)
+    digest: str = bounded(max_len=MAX_DIGEST_CHARS, each=digest_problem, default="")
 
 
 @message("lease.complete", version=1)

@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("coordinator.status:main", "show a run's stages, peers, leases and progress"),
     "audit": (
         "coordinator.audit:main",
-        "replay the lease audit log; exit 1 on lost/duplicated data",
+        "reconcile the lease audit log (and an export's lineage); exit 1 on any finding",
     ),
     "export": ("node.export:main", "assemble the trained model from live stage replicas"),
     "bench": ("bench.cli:main", "run a benchmark: agora bench NAME [--json FILE]"),

@@ -103,6 +103,7 @@ class AuditResult:
     exit_code: int
     stdout: str
     epochs: list[dict[str, Any]] = field(default_factory=list)
+    report: dict[str, Any] = field(default_factory=dict)  # the whole `--json` report
 
     @property
     def clean(self) -> bool:
@@ -128,6 +129,9 @@ class AuditResult:
             "duplicated_ranges": self.duplicated_ranges,
             "committed_tokens": self.committed_tokens,
             "epochs": len(self.epochs),
+            "mode": self.report.get("mode"),
+            "trained_twice_tokens": self.report.get("trained_twice_tokens"),
+            "findings": [f["name"] for f in self.report.get("findings", [])][:20],
             "summary": self.stdout.strip().splitlines()[-5:],
         }
 
@@ -146,4 +150,5 @@ def audit(db: Path, json_out: Path | None = None, timeout_s: float = 300.0) -> A
                 f"agora audit of {db} failed ({proc.returncode}): "
                 f"{proc.stdout[-1000:]}{proc.stderr[-2000:]}"
             )
-        return AuditResult(proc.returncode, proc.stdout, json.loads(out.read_text()))
+        report = json.loads(out.read_text())
+        return AuditResult(proc.returncode, proc.stdout, report["epochs"], report)

@@ -34,6 +34,7 @@ from node.outer.settings import COMPRESSIONS, MAX_COUNT, DilocoConfig, OuterConf
 from protocol.codec import packb, unpackb
 from protocol.errors import ProtocolError
 from protocol.framing import frame
+from protocol.lineage import Link, check_lineage, to_plain
 
 __all__ = [
     "COMMANDS",
@@ -127,14 +128,23 @@ class SetState:
     OP: ClassVar[str] = "set_state"
     round: int = 0  # outer steps the state has taken (rounds)
     momentum: bool = False  # whether the momentum buffer holds m
+    # the chain the state descends from (a checkpoint's), without the state itself
+    lineage: list[Link] = dataclasses.field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": self.OP, "round": self.round, "momentum": self.momentum}
+        return {
+            "op": self.OP, "round": self.round, "momentum": self.momentum,
+            "lineage": to_plain(self.lineage),
+        }  # fmt: skip
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
         d = _fields(cls, obj)
-        return cls(round=_int(d, "round", cls, lo=0, hi=MAX_COUNT), momentum=_bool(d, "momentum"))
+        return cls(
+            round=_int(d, "round", cls, lo=0, hi=MAX_COUNT),
+            momentum=_bool(d, "momentum"),
+            lineage=_lineage(d, cls),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -220,9 +230,14 @@ class StateSet:
     OP: ClassVar[str] = "state_set"
     round: int  # outer steps of the state (rounds)
     digest: str  # blake2b of (round, theta_g, m), hex
+    # the chain of the state held, ending with it (protocol.lineage)
+    lineage: list[Link] = dataclasses.field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": self.OP, "round": self.round, "digest": self.digest}
+        return {
+            "op": self.OP, "round": self.round, "digest": self.digest,
+            "lineage": to_plain(self.lineage),
+        }  # fmt: skip
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
@@ -230,6 +245,7 @@ class StateSet:
         return cls(
             round=_int(d, "round", cls, lo=0, hi=MAX_COUNT),
             digest=_str(d, "digest", cls, max_len=MAX_DIGEST),
+            lineage=_lineage(d, cls),
         )
 
 
@@ -242,9 +258,14 @@ class StateFetched:
     ok: bool  # whether a live replica's state was adopted
     round: int  # outer steps of the state held now; -1 = none (rounds)
     digest: str  # blake2b of (round, theta_g, m), hex; "" = none
+    # the chain of the state held, ending with it; [] = none
+    lineage: list[Link] = dataclasses.field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": self.OP, "ok": self.ok, "round": self.round, "digest": self.digest}
+        return {
+            "op": self.OP, "ok": self.ok, "round": self.round, "digest": self.digest,
+            "lineage": to_plain(self.lineage),
+        }  # fmt: skip
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
@@ -253,6 +274,7 @@ class StateFetched:
             ok=_bool(d, "ok"),
             round=_int(d, "round", cls, lo=-1, hi=MAX_COUNT),
             digest=_str(d, "digest", cls, max_len=MAX_DIGEST),
+            lineage=_lineage(d, cls),
         )
 
 
@@ -278,10 +300,13 @@ class RoundResult:
     seconds: float  # wall time of the round in the outer process
     rejected: dict[str, str]  # peer -> reason for contributions left out
     digest: str  # blake2b of (round, theta_g, m): equal digests mean bitwise-equal states
+    # the chain of the state held now, ending with it (protocol.lineage)
+    lineage: list[Link] = dataclasses.field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["rejected"] = dict(self.rejected)
+        out["lineage"] = to_plain(self.lineage)
         return {"op": self.OP, **out}
 
     @classmethod
@@ -307,6 +332,7 @@ class RoundResult:
             seconds=_float(d, "seconds", cls, lo=0.0, hi=MAX_WAIT_S),
             rejected=dict(rejected),
             digest=_str(d, "digest", cls, max_len=MAX_DIGEST),
+            lineage=_lineage(d, cls),
         )
 
 
@@ -452,6 +478,10 @@ def _strs(d: dict[str, Any], key: str, cls: type) -> list[str]:
     if any(type(x) is not str or not 0 < len(x) <= MAX_ADDR for x in v):
         raise ProtocolError(f"{_where(cls)}: {key} must hold strs of 1-{MAX_ADDR} chars")
     return list(v)
+
+
+def _lineage(d: dict[str, Any], cls: type) -> list[Link]:
+    return check_lineage(d["lineage"], f"{_where(cls)}: lineage")
 
 
 def _path(d: dict[str, Any], key: str, cls: type) -> str:

@@ -46,6 +46,7 @@ from node.outer.contract import (
 from node.outer.wire import compression
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder
+from protocol.lineage import Link, check_lineage, extend, to_plain
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,16 @@ def digest(state: OuterState) -> str:
     return h.hexdigest()
 
 
+def source_lineage(meta: dict[str, Any]) -> list[Link]:
+    """The chain another replica shared with its state; a malformed one (hostile or
+    older) is dropped: the adopted state's chain then starts with that state."""
+    try:
+        return check_lineage(meta.get("lineage", []), "shared state: lineage")
+    except ProtocolError as exc:
+        log.warning("%s; the adopted state's history is not known", exc)
+        return []
+
+
 class OuterProcess:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -68,6 +79,7 @@ class OuterProcess:
         self.lock = threading.Lock()  # guards `state` against the state-sharing thread
         self.state: OuterState | None = None
         self.digest = ""
+        self.lineage: list[Link] = []  # the chain of `state`, ending with it
 
     # ---- socket ----------------------------------------------------------------------
 
@@ -153,12 +165,12 @@ class OuterProcess:
             state.round = cmd.round
             if cmd.momentum:
                 state.m = self.momentum.clone()
-            self.adopt(state)
-            return StateSet(round=state.round, digest=self.digest)
+            self.adopt(state, cmd.lineage)
+            return StateSet(round=state.round, digest=self.digest, lineage=list(self.lineage))
         if isinstance(cmd, Fetch):
             ok = self.download(cmd.timeout_s, min_round=-1)
             rnd = self.state.round if self.state else -1
-            return StateFetched(ok=ok, round=rnd, digest=self.digest)
+            return StateFetched(ok=ok, round=rnd, digest=self.digest, lineage=list(self.lineage))
         if isinstance(cmd, Begin):
             if cmd.target_tokens is not None:  # the participation rule's target (tokens)
                 self.cfg.diloco.target_tokens = cmd.target_tokens
@@ -171,14 +183,17 @@ class OuterProcess:
         """Served to joiners by hivemind's state sharing (host-process thread)."""
         with self.lock:
             if self.state is None:
-                return {"round": -1, "digest": ""}, []
+                return {"round": -1, "digest": "", "lineage": []}, []
             st = self.state
-            return {"round": st.round, "digest": self.digest}, [st.theta_g.clone(), st.m.clone()]
+            meta = {"round": st.round, "digest": self.digest, "lineage": to_plain(self.lineage)}
+            return meta, [st.theta_g.clone(), st.m.clone()]
 
-    def adopt(self, state: OuterState) -> None:
+    def adopt(self, state: OuterState, lineage: list[Link]) -> None:
+        """Hold `state`, whose ancestors are `lineage` (the chain then ends with it)."""
         with self.lock:
             self.state = state
             self.digest = digest(state)
+            self.lineage = extend(lineage, state.round, self.digest)
         self.result.copy_(state.theta_g)
         self.momentum.copy_(state.m)
         self.averager.allow_state_sharing = True
@@ -201,7 +216,8 @@ class OuterProcess:
                 if type(rnd) is int and rnd > min_round and shapes == [self.result.shape] * 2:
                     theta_g, m = (t.detach().to(torch.float32).contiguous() for t in tensors)
                     if bool(torch.isfinite(theta_g).all() and torch.isfinite(m).all()):
-                        self.adopt(OuterState(theta_g=theta_g.clone(), m=m.clone(), round=rnd))
+                        state = OuterState(theta_g=theta_g.clone(), m=m.clone(), round=rnd)
+                        self.adopt(state, source_lineage(meta))
                         log.info("adopted state of round %d", rnd)
                         return True
             time.sleep(0.2)
@@ -278,6 +294,7 @@ class OuterProcess:
             seconds=time.monotonic() - t0,
             rejected=rejected,
             digest=self.digest,
+            lineage=list(self.lineage),
         )
 
     def step_alone(
@@ -289,7 +306,7 @@ class OuterProcess:
         contrib = Contribution(delta=delta, tokens=tokens, staleness=max(0, st.round - base_round))
         rep = outer_step(new, [contrib], self.cfg.diloco)
         if rep.applied:
-            self.adopt(new)
+            self.adopt(new, self.lineage)
         return rep.applied, new.round, rep.eta_r, rep.tokens, 1
 
     def own_weight(self, info: dict[str, Any]) -> float:
@@ -319,7 +336,7 @@ class OuterProcess:
         if st.round == head and self.digest == canonical:
             new = OuterState(theta_g=st.theta_g.clone(), m=st.m.clone(), round=st.round + 1)
             nesterov_step(new, d, eta_r, self.cfg.diloco.mu)
-            self.adopt(new)
+            self.adopt(new, self.lineage)
             return True, new.round, eta_r, tokens, size, False
         log.info(
             "state (round %d) is not the group's canonical one (round %d); adopting it",
