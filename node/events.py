@@ -12,6 +12,9 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
 - `round_not_applied`: `round`, `group_size`, `seconds` (the state did not change)
 - `ranges_returned`: `lease_id`, `shard_id`, `start`, `end` (trained tokens that did not
   reach the stage's global state: the commit rule hands them back to be trained again)
+- `dht_move`: `reason`, `root` (peer id, "" when this node is the root), `rounds` (rounds
+  applied on the DHT it leaves), `lone_rounds`: the outer loop restarts its outer
+  process to join the run's DHT
 - `draining`: `reason` (signal, coordinator, deadline, max_tokens, moved, ...)
 - `left`: `tokens_trained`, `tokens_committed`
 
@@ -36,6 +39,7 @@ EVENT_NAMES = frozenset(
         "round_applied",
         "round_not_applied",
         "ranges_returned",
+        "dht_move",
         "draining",
         "left",
     }  # fmt: skip

@@ -17,6 +17,9 @@ it what happened. Its rules:
   never reported a result: the working copy still holds their training).
 - `round_result(facts)` applies the commit rule (below) to a round's result and says what
   may be committed now and which ranges went back to be trained again.
+- `state_replaced()`: the replica took another replica's state outside a round (its
+  outer loop moved to the run's DHT and downloaded the stage's state there, rebasing
+  its progress onto it); the held rounds' training is gone, so their windows go back.
 - `accept(range)` records a commit the coordinator took; a lease whose range is all
   committed is forgotten. Commits are monotonic per lease.
 - `fence(lease_id)` forgets a lease the coordinator fenced: its untaken windows are
@@ -245,6 +248,14 @@ class LeasePool:
             self._held.clear()
         returned = self._resolve(back, keep=False)
         return RoundVerdict(commits=self.commits(), returned=returned, held=len(self._held))
+
+    def state_replaced(self) -> list[CommitRange]:
+        """The global state was replaced by another replica's outside a round (a rebase:
+        the working copy keeps what it trained since its last round, which rides in the
+        next round): every held round's training is gone from it, so their windows go
+        back; returns them, as ranges."""
+        back, self._held = self._held, set()
+        return self._resolve(back, keep=False)
 
     def _resolve(self, gens: set[int], *, keep: bool) -> list[CommitRange]:
         """The trained windows of rounds `gens` become committable (`keep`), or go back to

@@ -1,11 +1,22 @@
 """The node's outer loop over its lifetime: start the outer process, find the run's DHT,
 load the stage's state, tick rounds, and hand each new global state to the node.
 
-A run's nodes may start at the same moment, each with a DHT of its own; before its first
-round a node moves to the run's canonical DHT (the member with the smallest peer id that
-announces one, `PeerView.dht_root`), restarting its outer process, at most
-`MAX_DHT_MOVES` times. Training goes on during a move, and the progress is kept (a
-rebase onto the state found there). Every state the loop loads reaches `on_state` as a
+A run's nodes may start at the same moment, each with a DHT of its own, so a node moves
+to the run's canonical DHT (the member with the smallest peer id that announces one,
+`PeerView.dht_root`) by restarting its outer process, joining the members' DHTs (root
+first):
+- before its first round, when the root is not the DHT it joined;
+- later, when it finds itself on a DHT of its own while other replicas of its stage
+  announce one: `LONE_ROUNDS_TO_MOVE` rounds in a row without a groupmate and the root
+  is not the DHT it joined, or twice that many whatever it joined (the root itself, or
+  a DHT that lost its bootstrap). Its lone rounds' commits wait for a group round
+  (node.lease_pool), so a replica left on a DHT of its own would train and never commit.
+At most `MAX_DHT_MOVES` moves in any `MOVE_WINDOW_S`, so a root that flaps (dead but not
+yet lapsed, or restarting) cannot make a node restart forever. Training goes on during a
+move and its progress is kept (`capture`, then a rebase onto the state found there). A
+move that took another replica's state replaced this replica's lineage: `on_replaced`
+runs, so stage 0's lease pool hands back the ranges its held lone rounds carried
+(`LeasePool.state_replaced`). Every state the loop loads reaches `on_state` as a
 `GlobalState` value with None, and every round's result with its `RoundFacts` (the
 state may be unchanged: `facts.applied`); nothing outside this module touches the
 `OuterLink`.
@@ -33,12 +44,19 @@ from protocol.control import RunInfo
 
 log = logging.getLogger(__name__)
 
-# Moves to the run's DHT root before the first round (each restarts the outer process);
-# past this a node stays where it is (e.g. a root that is dead but not yet lapsed).
+# Moves to the run's DHT (each restarts the outer process) allowed in any MOVE_WINDOW_S;
+# past this a node stays where it is until the window slides (e.g. a root that is dead
+# but not yet lapsed).
 MAX_DHT_MOVES = 3
+MOVE_WINDOW_S = 300.0
+# Rounds in a row without a groupmate, while other replicas of the stage announce a DHT,
+# that show a node on a DHT other than the root's to be on one of its own (twice that
+# when it joined the root's, or is the root).
+LONE_ROUNDS_TO_MOVE = 2
 POLL_S = 0.2  # seconds between ticks
 
 OnState = Callable[[GlobalState, RoundFacts | None], Awaitable[None]]
+OnReplaced = Callable[[], Awaitable[None]]
 
 
 class OuterLoop:
@@ -57,6 +75,7 @@ class OuterLoop:
         announce_dht: Callable[[list[str]], None],
         checkpoint_dir: Path | None = None,  # resume from a checkpoint of the stage here
         events: EventLog | None = None,
+        on_replaced: OnReplaced | None = None,  # a move took another replica's state
     ) -> None:
         self.worker = worker
         self.compute = compute
@@ -72,7 +91,9 @@ class OuterLoop:
         self.events = events or EventLog()
         self.rounds: OuterRounds | None = None  # only a loaded outer process
         self.state: GlobalState | None = None  # the newest loaded or applied state
+        self._on_replaced = on_replaced
         self._bootstrap = ""  # peer id whose DHT our outer process joined (or ours)
+        self._moves: list[float] = []  # trio.current_time() of each move
 
     @classmethod
     def for_node(
@@ -87,13 +108,14 @@ class OuterLoop:
         on_state: OnState,
         announce_dht: Callable[[list[str]], None],
         events: EventLog | None = None,
+        on_replaced: OnReplaced | None = None,
     ) -> OuterLoop:
         """The outer loop with a node's settings."""
         return cls(
             worker, compute, peers, run=run, config=outer_config(cfg),
             every_steps=cfg.outer_every_steps, tokens_per_step=cfg.inner_batch_tokens,
             snapshot=snapshot, on_state=on_state, announce_dht=announce_dht,
-            checkpoint_dir=cfg.checkpoint_dir, events=events,
+            checkpoint_dir=cfg.checkpoint_dir, events=events, on_replaced=on_replaced,
         )  # fmt: skip
 
     def round_target(self) -> int:
@@ -117,8 +139,8 @@ class OuterLoop:
         except (OuterLinkError, TimeoutError, OSError) as exc:
             if not bootstrap:
                 raise
-            # Every announced DHT is gone: start one of our own; the next root check
-            # (before the first round) moves us to the run's DHT again.
+            # Every announced DHT is gone: start one of our own; a later root check (before
+            # the first round, or after lone rounds) moves us to the run's DHT again.
             log.warning("outer: no member's DHT answered (%s); starting our own", exc)
             self._bootstrap = me
             rounds = await self._start_process([])
@@ -135,6 +157,8 @@ class OuterLoop:
         )
         self.state = state
         await self._on_state(state, None)
+        if carry is not None and rounds.loaded_from_replica and self._on_replaced is not None:
+            await self._on_replaced()  # the carried lineage (and what it held) is gone
         # Only a loaded outer process is visible to rounds and drains: the link runs one
         # operation at a time.
         self.rounds = rounds
@@ -162,34 +186,53 @@ class OuterLoop:
         await self._on_state(state, facts)
 
     async def run(self) -> None:
-        """Tick rounds until cancelled; move to the run's DHT before the first round."""
-        moves = 0
+        """Tick rounds until cancelled; move to the run's DHT when `move_reason` says so."""
         while True:
             await trio.sleep(POLL_S)
             rounds = self.rounds
             assert rounds is not None, "start() before run()"
-            root = self.peers.dht_root()
-            if (
-                rounds.rounds == 0
-                and not rounds.in_flight
-                and root is not None
-                and root.peer_id != self._bootstrap
-                and moves < MAX_DHT_MOVES
-            ):
-                moves += 1
-                log.info(
-                    "outer: moving to the run's DHT at %s before the first round", root.peer_id
-                )
-                self.rounds = None
-                # Training goes on during the move: keep that progress (a rebase onto the
-                # state found there), since its micro-batches will be committed.
-                carry = await self.worker.run(rounds.capture)
-                await trio.to_thread.run_sync(rounds.close)
-                await self.start(carry=carry)
-                # Check the root again before a round: a move that fell back to a DHT of
-                # our own must not be sealed by a first round taken alone.
+            why = self.move_reason(rounds)
+            if why is not None:
+                await self._move(rounds, why)
+                # Check again before a round: a move that fell back to a DHT of our own
+                # must not be sealed by a round taken alone.
                 continue
             await rounds.tick()
+
+    def move_reason(self, rounds: OuterRounds) -> str | None:
+        """Why this node should move to the run's DHT now (module docstring), or None."""
+        if rounds.in_flight:
+            return None
+        now = trio.current_time()
+        self._moves = [t for t in self._moves if now - t < MOVE_WINDOW_S]
+        if len(self._moves) >= MAX_DHT_MOVES:
+            return None
+        root = self.peers.dht_root()
+        elsewhere = root is not None and root.peer_id != self._bootstrap
+        if elsewhere and rounds.rounds == 0:
+            return "before the first round"
+        if not self.peers.other_replicas_have_dht():
+            return None
+        lone = rounds.lone_rounds
+        if elsewhere and lone >= LONE_ROUNDS_TO_MOVE or lone >= 2 * LONE_ROUNDS_TO_MOVE:
+            return f"after {lone} rounds without a groupmate"
+        return None
+
+    async def _move(self, rounds: OuterRounds, why: str) -> None:
+        self._moves.append(trio.current_time())
+        root = self.peers.dht_root()
+        target = root.peer_id if root is not None else "the other members"
+        log.info("outer: moving to the run's DHT at %s (%s)", target, why)
+        self.events.emit(
+            "dht_move", reason=why, root=root.peer_id if root is not None else "",
+            rounds=rounds.rounds, lone_rounds=rounds.lone_rounds,
+        )  # fmt: skip
+        self.rounds = None
+        # Training goes on during the move: keep that progress (a rebase onto the state
+        # found there), since its micro-batches will be committed.
+        carry = await self.worker.run(rounds.capture)
+        await trio.to_thread.run_sync(rounds.close)
+        await self.start(carry=carry)
 
     async def finish(self, timeout_s: float) -> None:
         """Drain: finish the round in flight and one more that covers the rest."""

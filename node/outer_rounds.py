@@ -65,6 +65,10 @@ class OuterRounds:
         self._steps_at_last = 0  # compute.inner_steps when the last round began
         self._tokens_at_last = 0  # compute.tokens_trained when the last round began
         self.rounds = 0  # rounds applied by this replica
+        self.lone_rounds = 0  # results in a row that found no groupmate (group of one)
+        # whether `load_state` took another replica's state (so this replica's own
+        # lineage, and what it held, was replaced)
+        self.loaded_from_replica = False
         # One tick at a time: the outer loop and a drain both tick, and a round must not
         # begin while the last one's merge and `on_round` (commits, checkpoint) run.
         self._tick_lock = trio.Lock()
@@ -120,13 +124,14 @@ class OuterRounds:
         replaces) when given, else from its initial weights. With `keep_progress` the
         working copy keeps what it trained since `resume.theta_g` (a rebase onto the
         fetched state; or `resume` seeds theta_g and the weights stay as they are).
-        Returns the loaded global state."""
-        await self._load_state(replicas_exist, resume, keep_progress)
+        Returns the loaded global state; `loaded_from_replica` says whether it came from
+        another replica."""
+        self.loaded_from_replica = await self._load_state(replicas_exist, resume, keep_progress)
         return await self.worker.run(self.capture)
 
     async def _load_state(
         self, replicas_exist: bool, resume: GlobalState | None, keep_progress: bool
-    ) -> None:
+    ) -> bool:
         params = self.compute.parameters()
         if replicas_exist:
             got = await self.worker.run(self.link.fetch_state)
@@ -136,12 +141,12 @@ class OuterRounds:
                 else:
                     await self.worker.run(self._load, params)
                 log.info("outer: loaded the stage's global state at round %d", got)
-                return
+                return True
             log.warning("outer: no replica answered the state request")
         if resume is None:
             log.info("outer: starting the stage's global state from the initial weights")
             await self.worker.run(self.link.set_initial_state, params)
-            return
+            return False
         await self.worker.run(
             lambda: self.link.set_initial_state(
                 [resume.theta_g],
@@ -152,12 +157,13 @@ class OuterRounds:
         )
         if keep_progress:  # the weights stay as they are: progress on top of theta_g
             log.info("outer: kept its stage's global state at round %d", resume.round)
-            return
+            return False
         await self.worker.run(self._load, params)
         log.info(
             "outer: resumed the stage's global state at round %d from %s",
             resume.round, resume.path,
         )  # fmt: skip
+        return False
 
     def capture(self) -> GlobalState:
         """This loop's global state as a value: copies of the link's buffers (call on the
@@ -238,6 +244,7 @@ class OuterRounds:
         metrics.OUTER_ROUND_SECONDS.observe(time.monotonic() - self._round_started)
         metrics.OUTER_GROUP_SIZE.set(result.group_size)
         metrics.OUTER_BYTES.inc(result.bytes_out)
+        self.lone_rounds = self.lone_rounds + 1 if result.group_size <= 1 else 0
         if result.applied:
             self.rounds += 1
             metrics.OUTER_STEPS.inc()

@@ -138,6 +138,7 @@ class Node:
                         self.cfg, self.worker, self.compute, peers, run,
                         snapshot=self.pool.snapshot, on_state=self._on_global_state,
                         announce_dht=self.client.announce_dht, events=self.events,
+                        on_replaced=self._on_state_replaced,
                     )  # fmt: skip
                     await self.outer.start()
                     nursery.start_soon(self.outer.run)
@@ -211,6 +212,19 @@ class Node:
             self.state_server.hold(state)
         if facts is not None and self.driver is not None:
             await self.driver.round_result(facts)
+
+    async def _on_state_replaced(self) -> None:
+        """The outer loop moved and took another replica's state: the ranges that this
+        replica's held lone rounds carried are gone from it and are trained again."""
+        for rng in self.pool.state_replaced():
+            log.info(
+                "node: lease %d tokens %d..%d left with the replaced state; training them again",
+                rng.lease.lease_id, rng.start, rng.end,
+            )  # fmt: skip
+            self.events.emit(
+                "ranges_returned", lease_id=rng.lease.lease_id, shard_id=rng.lease.shard_id,
+                start=rng.start, end=rng.end,
+            )  # fmt: skip
 
     # --- leaving -----------------------------------------------------------------------
 

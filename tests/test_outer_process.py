@@ -12,13 +12,24 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
+import trio
 
+from node.checkpoint import GlobalState
 from node.diloco import DilocoConfig
+from node.events import EventLog, read_events
+from node.lease_pool import CommitRange, LeasePool, RoundFacts, RoundMark, RoundVerdict
 from node.outer_link import OuterConfig, OuterLink
+from node.outer_loop import LONE_ROUNDS_TO_MOVE, OuterLoop
+from node.p2p.inproc import InProcessNetwork
+from node.peer_view import PeerView
+from node.routing import Router
+from node.worker import TorchWorker
+from protocol.control import LeaseInfo, PeerInfo, RunInfo
 
 DECLARE_STATE_PERIOD_S = 5.0  # node.outer.process: the averager's declare_state_period (s)
 
@@ -193,3 +204,149 @@ def test_wire_codecs_round_trip_in_the_outer_interpreter(child_env: dict[str, st
     assert out.returncode == 0, out.stderr[-2000:]
     # 8-bit: int64 codebook size + 256 fp32 codebook entries + one byte per element
     assert "Uniform8BitQuantization 11032" in out.stdout, out.stdout
+
+
+class Compute:
+    """The part of `StageCompute` that `OuterLoop` and `OuterRounds` use: the test trains
+    by moving the weights and counting steps."""
+
+    def __init__(self, seed: int) -> None:
+        self.weights = torch.cat(params(seed, 1.0))
+        self.inner_steps = 0
+        self.tokens_trained = 0
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.weights]
+
+    def weights_changed(self) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+    def train(self, steps: int, seed: int) -> None:
+        self.weights -= 1e-3 * torch.cat(params(seed, 1.0))
+        self.inner_steps += steps
+        self.tokens_trained += 100 * steps
+
+
+def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit(
+    tmp_path: Path,
+) -> None:
+    """B starts before A announced its DHT, so B's outer process starts a DHT of its own,
+    and B steps rounds alone there while A exists: the commit rule holds their ranges.
+    Once B learns A's DHT (the run's root: the smaller peer id) it moves there after
+    `LONE_ROUNDS_TO_MOVE` lone rounds, although it has applied rounds already; it takes
+    A's state, so the held lone rounds' ranges go back; the stage's next round is a group
+    round and B's ranges commit. Real outer processes, OuterLoop, PeerView and LeasePool."""
+    net = InProcessNetwork()
+    run = RunInfo(
+        run_id=uuid.uuid4().hex[:8], model_preset="tiny", n_stages=1, codec="none", seed=0,
+        heartbeat_interval_s=1.0, lease_ttl_s=10.0, dataset_name="t", dataset_hash="0",
+        shards=1, data_epoch=0,
+    )  # fmt: skip
+    every = 5
+    announced: dict[str, list[str]] = {}
+    ids = ("12D3KooWAaaa", "12D3KooWBbbb")  # A < B: A's DHT is the run's root
+
+    def view(known: dict[str, list[str]]) -> dict[str, PeerInfo]:
+        return {
+            p: PeerInfo(peer_id=p, stage=0, addrs=[], dht_addrs=known.get(p, []),
+                        device="cpu", throughput=0.0)
+            for p in ids
+        }  # fmt: skip
+
+    pool = LeasePool(seq_len=4, max_open=1, shard_cache=1)
+    lease = LeaseInfo(
+        lease_id=1, shard_id=0, epoch=1, data_epoch=0, committed=0, limit=400,
+        shard_tokens=400, expires_at=0.0, state="active",
+    )  # fmt: skip
+    pool.open(lease, bytes(401))
+    verdicts: list[tuple[RoundFacts, RoundVerdict]] = []
+    returned: list[CommitRange] = []
+
+    async def on_state_b(_state: GlobalState, facts: RoundFacts | None) -> None:
+        if facts is not None:
+            verdicts.append((facts, pool.round_result(facts)))
+
+    async def on_replaced_b() -> None:
+        returned.extend(pool.state_replaced())
+
+    async def on_state_a(_state: GlobalState, _facts: RoundFacts | None) -> None:
+        pass
+
+    computes = {p: Compute(seed=10) for p in ids}
+    workers = {p: TorchWorker() for p in ids}
+    views = {p: PeerView(net.transport(p), Router(), stage=0) for p in ids}
+
+    def loop(p: str) -> OuterLoop:
+        b = p == ids[1]  # only B's rounds feed the lease pool
+        return OuterLoop(
+            workers[p], computes[p], views[p], run=run, config=CFG,  # type: ignore[arg-type]
+            every_steps=every, tokens_per_step=100,
+            snapshot=pool.snapshot if b else (lambda: RoundMark(0)),
+            on_state=on_state_b if b else on_state_a, on_replaced=on_replaced_b if b else None,
+            announce_dht=lambda addrs: announced.__setitem__(p, addrs),
+            events=EventLog(tmp_path / f"{p}.jsonl"),
+        )  # fmt: skip
+
+    loops = {p: loop(p) for p in ids}
+    a, b = (loops[p] for p in ids)
+
+    def train_b(windows: int, seed: int) -> None:
+        pool.finish(pool.take(windows), final=False)
+        computes[ids[1]].train(every, seed)
+
+    async def until(what: str, done: Callable[[], bool], timeout_s: float) -> None:
+        with trio.fail_after(timeout_s):
+            while not done():
+                await trio.sleep(0.1)
+        assert done(), what
+
+    async def main() -> None:
+        for v in views.values():
+            v.update(1, view({}))  # both members, no DHT announced yet
+        await a.start()
+        await b.start()  # no DHT to join: a DHT of its own
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run)
+            nursery.start_soon(b.run)
+            train_b(2, seed=20)  # windows [0, 8)
+            await until("B's first round", lambda: len(verdicts) == 1, 30)
+            views[ids[1]].update(2, view(announced))  # now B knows A's DHT (the root)
+            views[ids[0]].update(2, view(announced))
+            for i in range(1, LONE_ROUNDS_TO_MOVE):
+                train_b(2, seed=20 + i)
+                await until("B's lone rounds", lambda i=i: len(verdicts) == i + 1, 30)  # type: ignore[misc]
+            assert all(not f.merged and f.applied and not f.sole for f, _ in verdicts)
+            assert not any(v.commits for _, v in verdicts)  # lone rounds: held, not committed
+            assert verdicts[-1][1].held == LONE_ROUNDS_TO_MOVE
+            # The old rule (move only before the first round) would leave B here for good.
+            moves = tmp_path / f"{ids[1]}.jsonl"
+            await until("B moves", lambda: bool(read_events(moves, "dht_move")), 30)
+            await until("B reloaded", lambda: b.rounds is not None and bool(returned), 60)
+            # A's state replaced B's lineage: the held lone rounds' ranges went back
+            assert [(r.start, r.end) for r in returned] == [(0, 4 * 2 * LONE_ROUNDS_TO_MOVE)]
+            assert b._bootstrap == ids[0]
+            # Both train and round together: group rounds, and B's ranges commit
+            for attempt in range(4):
+                seen = len(verdicts)
+                train_b(2 * LONE_ROUNDS_TO_MOVE + 2, seed=40 + attempt)
+                computes[ids[0]].train(every, seed=50 + attempt)
+                await until("a round", lambda seen=seen: len(verdicts) > seen, 40)  # type: ignore[misc]
+                if any(v.commits for _, v in verdicts[seen:]):
+                    break
+            facts, verdict = verdicts[-1]
+            assert facts.merged and facts.contributed, facts
+            assert verdict.commits and verdict.commits[0].start == 0, verdict
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        for loop in loops.values():
+            loop.close()
+        for w in workers.values():
+            w.close()
+    [move] = read_events(tmp_path / f"{ids[1]}.jsonl", "dht_move")
+    assert move["root"] == ids[0] and move["rounds"] == LONE_ROUNDS_TO_MOVE
