@@ -101,7 +101,7 @@ def decode_raw(enc: EncodedTensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 def encode_fp16(t: torch.Tensor) -> EncodedTensor:
     t = t.detach().float()
-    top = t.abs().max() if t.numel() else torch.tensor(0.0)
+    top = t.abs().max() if t.numel() else torch.tensor(0.0, device=t.device)
     if not bool(torch.isfinite(top)):
         raise ValueError("fp16 codec: tensor holds NaN or Inf")
     scale = top.reshape(1).clamp_min(1e-30)
@@ -122,7 +122,7 @@ def encode_int8(t: torch.Tensor, block: int = INT8_BLOCK) -> EncodedTensor:
     flat = t.detach().float().reshape(-1)
     n = flat.numel()
     n_blocks = max(1, math.ceil(n / block))
-    padded = torch.zeros(n_blocks * block)
+    padded = torch.zeros(n_blocks * block, device=flat.device)  # quantized where t lives
     padded[:n] = flat
     blocks = padded.view(n_blocks, block)
     scale = blocks.abs().amax(dim=1) / 127.0
@@ -155,7 +155,7 @@ def decode_int8(
 def _row_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., k] -> (row absmax [...] as rel * g, fp16 relative row scale, fp32 global [1])."""
     absmax = x.abs().amax(dim=-1)
-    top = absmax.max() if absmax.numel() else torch.tensor(0.0)
+    top = absmax.max() if absmax.numel() else torch.tensor(0.0, device=x.device)
     if not bool(torch.isfinite(top)):
         raise ValueError("subspace codec: tensor holds NaN or Inf")
     g = top.reshape(1).clone()
@@ -332,15 +332,18 @@ class BoundaryCodec:
         )
 
     def _decode(self, enc: EncodedTensor, tokens: torch.Tensor, backward: bool) -> torch.Tensor:
+        """Decoded and validated on the CPU (the wire's copy), returned on the device of
+        `tokens` (the receiving stage's)."""
         shape = self._logical(tokens)
         if self.codec == "raw":
-            return decode_raw(enc, shape)
+            return decode_raw(enc, shape).to(tokens.device)
         if self.codec == "fp16":
-            return decode_fp16(enc, shape)
+            return decode_fp16(enc, shape).to(tokens.device)
         if self.codec == "int8":
-            return decode_int8(enc, shape)
+            return decode_int8(enc, shape).to(tokens.device)
         assert self.subspace is not None
         coeffs = decode_coefficients(enc, self.codec, shape, self.subspace.rank, backward=backward)
+        coeffs = coeffs.to(self.subspace.basis.device)  # the wire's CPU copy meets the basis
         if backward:  # finite coefficients can still overflow when expanded
             return _finite(self.subspace.expand_grad(coeffs), self.codec)
         if tokens.dtype != torch.int64 or bool(((tokens < 0) | (tokens > 255)).any()):

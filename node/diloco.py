@@ -230,9 +230,11 @@ def merge_local_progress(
                 f"parameters need {offset + n}+ elements, snapshot has {snapshot.numel()}, "
                 f"theta_g {new_theta_g.numel()}"
             )
-        local = p.detach().flatten().to(torch.float32) - snapshot[offset : offset + n]
+        # snapshot and theta_g are the outer process's CPU buffers; p may be on a GPU
+        snap = snapshot[offset : offset + n].to(p.device)
+        local = p.detach().flatten().to(torch.float32) - snap
         with torch.no_grad():
-            p.copy_((new_theta_g[offset : offset + n] + local).view_as(p))
+            p.copy_((new_theta_g[offset : offset + n].to(p.device) + local).view_as(p))
         offset += n
     if offset != snapshot.numel():
         raise ValueError(f"parameters hold {offset} elements, snapshot has {snapshot.numel()}")

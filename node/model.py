@@ -320,7 +320,9 @@ def save_export(model: nn.Module, config: ModelConfig, directory: Path) -> None:
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+    tensors = {
+        k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()
+    }
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": EXPORT_FORMAT})
     meta = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "model": config.to_dict()}
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")

@@ -215,7 +215,11 @@ def throughput_probe(compute: StageCompute, micro_batch: int, seq_len: int) -> f
     inputs, targets = compute._tokens(tokens)
     d = compute.model.config.d_model
     t0 = time.perf_counter()
-    x = inputs if compute.is_first else torch.zeros(micro_batch, seq_len, d, requires_grad=True)
+    x = (
+        inputs
+        if compute.is_first
+        else torch.zeros(micro_batch, seq_len, d, device=compute.device, requires_grad=True)
+    )
     out = compute.model(x, targets) if compute.is_last else compute.model(x).pow(2).mean()
     out.backward()
     compute.opt.zero_grad(set_to_none=True)
