@@ -12,6 +12,11 @@ A lease is (lease id, shard, holder, fencing epoch, expiry, committed offset) pl
 - A lease past its expiry is expired (`expire_due`): the shard returns to the front of
   the queue at its committed offset; the next grant carries a higher epoch. The old
   holder's commits are refused with `LeaseError("fenced")` (and audited as `fence`).
+- A range an expired or released lease left is *freed*: `freed_waiting()` counts those
+  not granted again, and `acquire(freed_only=True)` grants only one of them (reason
+  "no_freed" otherwise), so the coordinator can tell stage-0 nodes in the heartbeat reply
+  and a node with a full pool can take one at once. Held in memory only: after a
+  restart such shards are ordinary resumed shards at the front of the queue.
 - `commit(start, end)` requires `start == committed` and `end <= limit`, so commits are
   monotonic and never overlap. Committing up to `limit` completes the lease; when the
   limit is the shard end the shard is done, otherwise it is re-queued at the offset.
@@ -128,6 +133,8 @@ class LeaseBook:
                 self._index(lease)
         self.epoch_tokens = sum(s.tokens for s in self.shards.values())
         self._queue: collections.deque[int] = collections.deque()
+        # shards an expired or released lease left pending, oldest first (not persisted)
+        self._freed: dict[int, None] = {}
         self._rebuild_queue()
         self.fenced_total = 0  # refused stale calls since start
 
@@ -145,6 +152,10 @@ class LeaseBook:
     def holder_leases(self, holder: str) -> list[Lease]:
         return list(self.by_holder.get(holder, {}).values())
 
+    def freed_waiting(self) -> int:
+        """Freed ranges (of expired or released leases) not yet granted again."""
+        return len(self._freed)
+
     # -- operations ---------------------------------------------------------------------
 
     def acquire(
@@ -155,8 +166,10 @@ class LeaseBook:
         max_tokens: int | None = None,
         budget_tokens: int | None = None,
         min_tokens: int = 1,
+        freed_only: bool = False,
     ) -> tuple[Lease | None, str]:
-        """Grant the next queued shard (resumed shards first). `budget_tokens` caps the
+        """Grant the next queued shard (resumed shards first); with `freed_only`, the
+        oldest freed range or nothing (reason "no_freed"). `budget_tokens` caps the
         range at what the holder can finish before its deadline; below `min_tokens`
         nothing is granted (reason "deadline")."""
         cap = max_tokens
@@ -164,9 +177,15 @@ class LeaseBook:
             if budget_tokens < min_tokens:
                 return None, "deadline"
             cap = budget_tokens if cap is None else min(cap, budget_tokens)
-        shard = self._next_pending()
+        if freed_only:
+            shard = self._next_freed()
+            if shard is None:
+                return None, "no_freed"
+        else:
+            shard = self._next_pending()
         if shard is None:
             return None, "no_shards"
+        self._freed.pop(shard.shard_id, None)
         remaining = shard.tokens - shard.committed
         limit = shard.committed + (remaining if cap is None else min(remaining, cap))
         shard.epoch += 1
@@ -369,6 +388,7 @@ class LeaseBook:
         shard = self.shards[lease.shard_id]
         shard.state, shard.lease_id = PENDING, 0
         self._queue.appendleft(shard.shard_id)
+        self._freed[shard.shard_id] = None
         self._touch(shard, lease)
         kind = "expire" if state == EXPIRED else "release"
         self._audit(now, kind, lease, lease.committed, lease.limit)
@@ -379,10 +399,21 @@ class LeaseBook:
             s.committed, s.state, s.lease_id = 0, PENDING, 0
             self.journal.shards[s.shard_id] = s
         self.journal.meta["data_epoch"] = str(self.data_epoch)
+        self._freed.clear()
         self.journal.audit.append(
             AuditEvent(now, self.data_epoch, "epoch", -1, 0, "", 0, 0, self.epoch_tokens)
         )
         self._rebuild_queue()
+
+    def _next_freed(self) -> Shard | None:
+        """The oldest freed shard still pending (its queue entry is skipped later: a
+        granted shard is not pending)."""
+        for shard_id in list(self._freed):
+            shard = self.shards[shard_id]
+            if shard.state == PENDING and shard.committed < shard.tokens:
+                return shard
+            del self._freed[shard_id]
+        return None
 
     def _next_pending(self) -> Shard | None:
         while self._queue:

@@ -271,6 +271,7 @@ class Service:
             shards=len(self.manifest.train),
             data_epoch=self.book.data_epoch,
             relays=list(cfg.relays),
+            sweep_interval_s=cfg.sweep_interval_s,
         )
 
     def _heartbeat(self, peer: Peer, req: c.HeartbeatRequest, now: float) -> Message:
@@ -282,6 +283,8 @@ class Service:
         live = {(x.lease_id, x.epoch) for x in held}
         fenced = [r for r in req.leases if (r.lease_id, r.epoch) not in live]
         moved, peer.moved = peer.moved, False
+        # stage 0 leases the data: tell its nodes that a range waits for a holder
+        takes_leases = peer.stage == 0 and not (peer.observer or peer.drain or self.paused)
         return c.HeartbeatReply(
             stage=peer.stage,
             moved=moved,
@@ -292,6 +295,7 @@ class Service:
             expires_at=peer.expires_at,
             membership_version=self.membership.version,
             data_epoch=self.book.data_epoch,
+            freed=self.book.freed_waiting() if takes_leases else 0,
         )
 
     def _membership(self, peer: Peer, req: c.MembershipRequest, now: float) -> Message:
@@ -369,6 +373,7 @@ class Service:
             max_tokens=cap,
             budget_tokens=budget,
             min_tokens=self.cfg.min_grant_tokens,
+            freed_only=req.freed_only,
         )
         if lease is None:
             return c.LeaseGrant(reason=reason)

@@ -10,7 +10,8 @@ back-off until `retry_deadline_s`, then raise `CoordinatorUnavailable`. Refusals
 membership lapsed). A `replay` refusal is retried too: each attempt is signed
 afresh, so it only means a clock behind the coordinator's or a request signed before
 a coordinator restart. `heartbeat_loop` keeps the membership and all leases alive, re-joins
-after a lapse and rides out outages. Imports only `protocol`.
+after a lapse and rides out outages; `wait_freed` wakes when a heartbeat reply says that
+ranges of expired or released leases wait for a holder. Imports only `protocol`.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ class CoordinatorClient:
         self.view = MembershipView()
         self.run_id: str | None = None  # the run requests are signed for (learned once)
         self._announce: list[str] | None = None  # DHT addresses for the next heartbeat
+        self.freed = 0  # freed ranges waiting for a holder, as the last heartbeat reply said
+        self._freed_seen = trio.Event()  # set by a reply that reported some
 
     @property
     def peer_id(self) -> str:
@@ -237,7 +240,16 @@ class CoordinatorClient:
         assert isinstance(reply, c.HeartbeatReply)
         if announce is self._announce:
             self._announce = None
+        self.freed = reply.freed
+        if reply.freed:
+            self._freed_seen.set()
         return reply
+
+    async def wait_freed(self) -> int:
+        """Until a heartbeat reply reports freed ranges (one waiter); how many it said."""
+        await self._freed_seen.wait()
+        self._freed_seen = trio.Event()
+        return self.freed
 
     def announce_dht(self, addrs: list[str]) -> None:
         """Publish new DHT addresses with the next heartbeat (and in any re-join)."""
@@ -346,8 +358,13 @@ class CoordinatorClient:
         """A new lease, or None (see `LeaseGrant.reason` via `acquire_grant`)."""
         return (await self.acquire_grant(max_tokens)).lease
 
-    async def acquire_grant(self, max_tokens: int | None = None) -> c.LeaseGrant:
-        reply = await self._typed(c.LeaseAcquire(max_tokens=max_tokens), c.LeaseGrant)
+    async def acquire_grant(
+        self, max_tokens: int | None = None, *, freed_only: bool = False
+    ) -> c.LeaseGrant:
+        """A lease or the reason for none; `freed_only`: only a range an expired or
+        released lease left (`reason="no_freed"` when there is none)."""
+        body = c.LeaseAcquire(max_tokens=max_tokens, freed_only=freed_only)
+        reply = await self._typed(body, c.LeaseGrant)
         assert isinstance(reply, c.LeaseGrant)
         return reply
 

@@ -5,7 +5,10 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
 `{"t": unix seconds, "event": NAME, ...fields}`. The names and their fields:
 
 - `joined`: `peer_id`, `stage`, `n_stages`, `run_id`
-- `forward_failed`: `mb_id`, `peer`, `error` (a micro-batch attempt through `peer` failed)
+- `forward_failed`: `mb_id`, `peer`, `error`, `kind` (unreachable, timeout, refused,
+  bad_reply), `seconds` (the attempt's duration): a micro-batch attempt through `peer` failed
+- `forward_rerouted`: `mb_id`, `peer`, `failures`, `seconds` (from its first failure): a
+  micro-batch that failed before completed through `peer` (stage 0)
 - `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
 - `round_applied`: `round`, `group_size`, `tokens`, `seconds`, `rebased`, `contributed`
   (this replica's pseudo-gradient is in the new state with weight > 0)
@@ -35,6 +38,7 @@ EVENT_NAMES = frozenset(
     {
         "joined",
         "forward_failed",
+        "forward_rerouted",
         "lease_committed",
         "round_applied",
         "round_not_applied",

@@ -5,6 +5,10 @@ it what happened. Its rules:
 - `open(lease, shard)` cuts the lease's range `[committed, limit)` into windows of
   `seq_len + 1` tokens every `seq_len` tokens; a tail too short for a window (the shard's
   end) counts as trained at once, since there is nothing in it to train.
+- `wants_lease()` while fewer than `max_open` leases have untaken windows;
+  `room_for_freed()` while fewer than twice that: a range an expired or released lease
+  left (the coordinator says so in the heartbeat reply) is taken at once, not when the
+  pool next runs short, so a dead holder's data waits one heartbeat, not one lease.
 - `take(n, rng)` hands out untaken windows, at random across the open leases with an
   `rng` (so one inner step sees many places of the corpus) or in lease order without.
   A window is handed out at most once.
@@ -164,6 +168,10 @@ class LeasePool:
 
     def wants_lease(self) -> bool:
         return self.open_leases < self.max_open
+
+    def room_for_freed(self) -> bool:
+        """The pool may take one more freed range (up to twice `max_open` open leases)."""
+        return self.open_leases < 2 * self.max_open
 
     def take(self, n: int, rng: random.Random | None = None) -> list[Window]:
         """Up to `n` untaken windows: drawn with `rng`, or the oldest ones without."""

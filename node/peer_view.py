@@ -6,7 +6,12 @@ many replicas its stage has, and whose DHT its outer loop should join. Observers
 are admitted, but they are on no stage: never routed to, bootstrapped from or counted as
 replicas. Updating the view tells the transport the new peers' addresses and lets the
 router forget peers that left; `follow` refreshes it from the coordinator (a delta since
-the version held) until cancelled. Entries come from other participants: a member whose
+the version held) until cancelled. The view is also the router's evidence that a peer
+it saw fail at the transport level is alive after all: a member whose listen addresses
+changed (it re-joined) is revived at once, and one still listed by a view asked for at
+least `proof_s(run)` after the failure (the coordinator's peer TTL, one expiry sweep and
+one heartbeat: a dead peer would have lapsed by then) is revived then (`Router.listed`).
+Entries come from other participants: a member whose
 addresses or DHT addresses do not parse is left out of the view (logged once), so one bad
 entry costs that member, never this node.
 """
@@ -21,9 +26,18 @@ from node.coordinator_client import CoordinatorClient, CoordinatorError, Coordin
 from node.p2p.transport import Transport
 from node.routing import Router
 from protocol.addrs import multiaddr_problem
-from protocol.control import PeerInfo
+from protocol.control import PeerInfo, RunInfo
 
 log = logging.getLogger(__name__)
+
+
+def proof_s(run: RunInfo) -> float:
+    """Seconds after a peer failed from which a membership view that still lists it shows
+    it alive: its last heartbeat before the failure lapses after the peer TTL, the
+    coordinator's sweeper drops it within a sweep (the TTL when the run does not say),
+    and one heartbeat interval covers the scheduling of both."""
+    sweep = run.sweep_interval_s or run.lease_ttl_s
+    return run.lease_ttl_s + sweep + run.heartbeat_interval_s
 
 
 class PeerView:
@@ -47,9 +61,15 @@ class PeerView:
         return list(info.addrs) if info else []
 
     async def refresh(self, client: CoordinatorClient) -> None:
-        """Ask the coordinator what changed and adopt it."""
+        """Ask the coordinator what changed and adopt it; the peers it still lists long
+        enough after they failed are alive again (module docstring)."""
+        asked_at = trio.current_time()
         view = await client.membership()
         self.update(view.version, dict(view.peers))
+        if client.joined is not None:
+            revived = self.router.listed(self.members, asked_at - proof_s(client.joined.run))
+            for peer_id in revived:
+                log.info("node: %s is still a member long after it failed; routing to it", peer_id)
 
     async def follow(self, client: CoordinatorClient, interval_s: float) -> None:
         """Refresh every `interval_s` seconds until cancelled (failures are retried)."""
@@ -72,6 +92,10 @@ class PeerView:
                 self.rejected[peer_id] = problem
         self.rejected = {p: why for p, why in self.rejected.items() if p in peers}
         before = set(self.next_stage_peers())
+        for peer_id, peer in valid.items():
+            known = self.members.get(peer_id)
+            if known is not None and known.addrs != peer.addrs and self.router.revive(peer_id):
+                log.info("node: %s re-joined with new addresses; routing to it", peer_id)
         self.members = valid
         self.version = version
         self.router.forget(set(self.members))

@@ -7,7 +7,13 @@ other stage serves `/agora/fwd/1` with `serve_forward`, which runs its forward, 
 the micro-batch on (or computes the loss on the last stage) and answers with the
 gradient of its own input. A peer that fails, times out or answers with a gradient that
 does not decode (malformed, NaN, Inf) is avoided for a while (`node.routing.Router`), and
-the micro-batch goes another way. Forwards are served only to members of the previous
+the micro-batch goes another way; one whose request failed at the transport level
+(`PeerUnreachable`: dial refused, stream reset or closed, what a dead peer looks like) is
+not routed to again until the membership shows it alive. A failed micro-batch is retried
+at once while a peer it has not tried is usable, and after a back-off (0.5 s, doubling)
+once every usable peer failed it. A retry is sent with `Forward.retry`, and a serving
+stage computes such forwards before fresh ones (`ServeGate`), so a micro-batch re-routed
+around a dead replica does not queue behind the survivor's whole backlog. Forwards are served only to members of the previous
 stage, with at most `max_rows` sequences (the run's micro-batch: a larger block is bad
 input, the sender is banned by the transport), and what a sender computes here is
 cached under its own peer id, so one member cannot replace another's activations. All torch work runs on the node's one
@@ -17,16 +23,24 @@ the metrics.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import numpy as np
 import trio
 
 from node import metrics
 from node.events import EventLog
-from node.p2p.transport import Transport, TransportError
+from node.p2p.transport import (
+    PeerUnreachable,
+    RequestRefused,
+    RequestTimeout,
+    Transport,
+    TransportError,
+)
 from node.peer_view import PeerView
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker
@@ -37,7 +51,47 @@ from protocol.tensors import EncodedTensor, TensorFrame
 
 log = logging.getLogger(__name__)
 
-RETRY_WAIT_S = 0.5  # seconds before the first retry of a failed route (doubles, to 8 s)
+RETRY_WAIT_S = 0.5  # seconds before a retry once every usable peer failed (doubles, to 8 s)
+RETRY_WAIT_MAX_S = 8.0  # seconds, the longest retry back-off
+
+
+class ServeGate:
+    """Served forwards take the torch worker one at a time, re-sent micro-batches (`first`)
+    before fresh ones, each group in arrival order. The worker runs one job at a time
+    anyway; without the gate its queue is first come, first served."""
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiting: list[tuple[int, int, trio.Event]] = []  # (0 = first, arrival, wake)
+        self._arrivals = 0
+
+    @asynccontextmanager
+    async def turn(self, *, first: bool) -> AsyncIterator[None]:
+        if self._busy:
+            self._arrivals += 1
+            entry = (0 if first else 1, self._arrivals, trio.Event())
+            heapq.heappush(self._waiting, entry)
+            try:
+                await entry[2].wait()
+            except BaseException:
+                if entry[2].is_set():  # handed the turn as it was cancelled: pass it on
+                    self._release()
+                else:
+                    self._waiting.remove(entry)
+                    heapq.heapify(self._waiting)
+                raise
+        else:
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._waiting:
+            heapq.heappop(self._waiting)[2].set()  # the turn passes on; still busy
+        else:
+            self._busy = False
 
 
 class PipelineHop:
@@ -64,6 +118,7 @@ class PipelineHop:
         self.built = trio.Event()
         self.tokens_trained = 0  # tokens this stage trained on (forward + backward)
         self._bytes_seen: dict[str, int] = {}  # codec byte counts already in the metrics
+        self.gate = ServeGate()  # served forwards: retries first
 
     def stage_built(self, compute: StageCompute) -> None:
         self.compute = compute
@@ -72,25 +127,42 @@ class PipelineHop:
     # --- the sending side ----------------------------------------------------------------
 
     def pick_next(self, tried: set[str]) -> str | None:
-        """A next-stage peer not yet tried for this micro-batch (all again once exhausted)."""
+        """A usable next-stage peer not yet tried for this micro-batch; once none is left,
+        the tried ones again (their bans still apply)."""
         candidates = self.peers.next_stage_peers()
-        if tried and tried.issuperset(candidates):
+        now = trio.current_time()
+        peer = self.router.choose(candidates, now, exclude=tried)
+        if peer is None and tried:
             tried.clear()
-        peer = self.router.choose(candidates, trio.current_time(), exclude=tried)
+            peer = self.router.choose(candidates, now)
         if peer is not None:
             tried.add(peer)
         return peer
 
+    def untried_usable(self, tried: set[str]) -> bool:
+        """A next-stage peer this micro-batch has not tried could take it now."""
+        candidates = self.peers.next_stage_peers()
+        return bool(self.router.usable(candidates, trio.current_time(), exclude=tried))
+
     async def send_forward(
-        self, peer: str, mb_id: str, tokens: TensorFrame, hidden: EncodedTensor, route: list[str]
+        self,
+        peer: str,
+        mb_id: str,
+        tokens: TensorFrame,
+        hidden: EncodedTensor,
+        route: list[str],
+        *,
+        retry: bool = False,
     ) -> Backward | None:
-        """One attempt through `peer`; None if it failed (the peer is then avoided)."""
+        """One attempt through `peer` (`retry`: an earlier one failed); None if it failed
+        (the peer is then avoided)."""
         msg = Forward(
             mb_id=mb_id,
             tokens=tokens,
             hidden=hidden,
             route=route,
             deadline=time.time() + self.request_timeout_s,
+            retry=retry,
         )
         self.router.started(peer)
         metrics.IN_FLIGHT.inc()
@@ -102,7 +174,7 @@ class PipelineHop:
             if not isinstance(reply, Backward) or reply.mb_id != mb_id:
                 raise TransportError(f"peer {peer} answered {type(reply).__name__}", peer_id=peer)
         except TransportError as exc:
-            self._failed(peer, mb_id, exc)
+            self._failed(peer, mb_id, exc, trio.current_time() - t0)
             return None
         finally:
             metrics.IN_FLIGHT.dec()
@@ -111,10 +183,18 @@ class PipelineHop:
         metrics.MB_SECONDS.observe(elapsed)
         return reply
 
-    def _failed(self, peer: str, mb_id: str, exc: Exception) -> None:
-        ban = self.router.failed(peer, trio.current_time())
-        log.warning("node: %s failed via %s (%s); avoiding it for %.0fs", mb_id, peer, exc, ban)
-        self.events.emit("forward_failed", mb_id=mb_id, peer=peer, error=str(exc)[:200])
+    def _failed(self, peer: str, mb_id: str, exc: Exception, seconds: float = 0.0) -> None:
+        kind = failure_kind(exc)
+        ban = self.router.failed(peer, trio.current_time(), unreachable=kind == "unreachable")
+        if kind == "unreachable":
+            log.warning("node: %s failed via %s (%s); avoiding it until the membership"
+                        " shows it alive", mb_id, peer, exc)  # fmt: skip
+        else:
+            log.warning("node: %s failed via %s (%s); avoiding it for %.0fs", mb_id, peer, exc, ban)
+        self.events.emit(
+            "forward_failed", mb_id=mb_id, peer=peer, error=str(exc)[:200], kind=kind,
+            seconds=round(seconds, 4),
+        )  # fmt: skip
 
     async def _backward(
         self, peer: str, key: str, rows: np.ndarray, hidden: EncodedTensor | None, reply: Backward
@@ -134,29 +214,45 @@ class PipelineHop:
     ) -> float | None:
         """Stage 0: run one micro-batch through the downstream stages until it returns
         once, and train on it; its loss. None when `give_up(failures so far)` said so
-        before it returned (its lease was fenced, or the node is draining)."""
+        before it returned (its lease was fenced, or the node is draining). The forward
+        runs once: a retry sends the same activations (the backward recomputes them at
+        the current weights if an inner step ran meanwhile, as for any late reply)."""
         compute = self.compute
         assert compute is not None
         tokens = TensorFrame.from_numpy(rows)
         backoff = RETRY_WAIT_S
         tried: set[str] = set()
         failures = 0
+        first_failure = 0.0  # trio time of the first failed attempt
+        hidden: EncodedTensor | None = None  # the forward's output, sent on every attempt
         while not give_up(failures):
             peer = self.pick_next(tried)
             if peer is not None:
-                hidden = await self.worker.run(compute.forward, mb_id, rows, None)
-                assert isinstance(hidden, EncodedTensor)
+                if hidden is None:
+                    out = await self.worker.run(compute.forward, mb_id, rows, None)
+                    assert isinstance(out, EncodedTensor)
+                    hidden = out
                 reply = await self.send_forward(
-                    peer, mb_id, tokens, hidden, [self.transport.peer_id]
+                    peer, mb_id, tokens, hidden, [self.transport.peer_id], retry=failures > 0
                 )
                 if reply is not None and (await self._backward(peer, mb_id, rows, None, reply))[0]:
                     self._account(rows)
+                    if failures:
+                        self.events.emit(
+                            "forward_rerouted", mb_id=mb_id, peer=peer, failures=failures,
+                            seconds=round(trio.current_time() - first_failure, 4),
+                        )  # fmt: skip
                     return reply.loss
-                await self.worker.run(compute.drop, mb_id)
                 metrics.MICROBATCHES.labels("retried").inc()
+            if not failures:
+                first_failure = trio.current_time()
             failures += 1
+            if peer is not None and self.untried_usable(tried):
+                continue  # another peer can take it now: no reason to wait
             await trio.sleep(backoff)
-            backoff = min(backoff * 2, 8.0)
+            backoff = min(backoff * 2, RETRY_WAIT_MAX_S)
+        if hidden is not None:
+            await self.worker.run(compute.drop, mb_id)
         return None
 
     # --- the serving side (stages > 0) ---------------------------------------------------
@@ -178,23 +274,31 @@ class PipelineHop:
         if not 1 <= rows.shape[0] <= self.max_rows or not 2 <= rows.shape[1] <= max_seq + 1:
             raise ProtocolError(f"token block of shape {list(rows.shape)} is out of bounds")
         if compute.is_last:
-            grad, loss = await self.worker.run(compute.forward, key, rows, msg.hidden)  # type: ignore[misc]
+            async with self.gate.turn(first=msg.retry):
+                grad, loss = await self.worker.run(compute.forward, key, rows, msg.hidden)  # type: ignore[misc]
             assert grad is not None
             self._account(rows)
             return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=rows.size - rows.shape[0])
-        hidden = await self.worker.run(compute.forward, key, rows, msg.hidden)
+        async with self.gate.turn(first=msg.retry):
+            hidden = await self.worker.run(compute.forward, key, rows, msg.hidden)
         assert isinstance(hidden, EncodedTensor)
         route = [*msg.route, self.transport.peer_id]
         tried: set[str] = set()
+        retry = msg.retry
         with trio.fail_after(max(0.0, msg.deadline - time.time())):
             while True:
                 peer = self.pick_next(tried)
                 if peer is not None:
-                    reply = await self.send_forward(peer, msg.mb_id, msg.tokens, hidden, route)
+                    reply = await self.send_forward(
+                        peer, msg.mb_id, msg.tokens, hidden, route, retry=retry
+                    )
                     if reply is not None:
                         ok, grad_in = await self._backward(peer, key, rows, msg.hidden, reply)
                         if ok:
                             break
+                    retry = True
+                    if self.untried_usable(tried):
+                        continue  # another peer can take it now
                 await trio.sleep(RETRY_WAIT_S)
         assert grad_in is not None
         self._account(None)
@@ -218,3 +322,16 @@ class PipelineHop:
         wire = counts["wire_fwd"] + counts["wire_bwd"]
         if wire:
             metrics.COMPRESSION.set((counts["raw_fwd"] + counts["raw_bwd"]) / wire)
+
+
+def failure_kind(exc: Exception) -> str:
+    """How an attempt failed, for the router and the `forward_failed` event: unreachable
+    (transport: the peer looks dead), timeout, refused (it answered `Refused`), or
+    bad_reply (a reply that is not the micro-batch's `Backward`, or does not decode)."""
+    if isinstance(exc, PeerUnreachable):
+        return "unreachable"
+    if isinstance(exc, RequestTimeout):
+        return "timeout"
+    if isinstance(exc, RequestRefused):
+        return "refused"
+    return "bad_reply"

@@ -6,6 +6,16 @@ average of measured round trips, and picks the smallest after multiplying by a l
 random jitter so that load spreads. A peer that errors or times out is banned for a
 back-off that doubles with each consecutive failure and resets on success.
 
+A peer whose request failed at the transport level (`unreachable`: dial refused, stream
+reset or closed) is *down*: that is what a dead peer looks like, and a ban that lapses
+after 2 s only invites the next micro-batch to fail the same way. A down peer is not
+chosen while any candidate is up, until the membership shows it alive again: its entry
+changed (`revive`: a re-join with new addresses), or a membership view asked for at
+least the coordinator's peer TTL (plus a sweep and a heartbeat) after the failure still
+lists it (`listed`): a dead peer would have lapsed by then, so it heartbeated since.
+When every candidate is down they are chosen as banned peers are (once the ban lapses),
+so a stage whose one replica blipped still makes progress.
+
 An estimate ages: the longer a peer goes unmeasured, the closer its per-item time drifts
 to the fastest known one (half-life `stale_half_life_s`). Without that, one slow first
 reply (a cold joiner: a fresh connection and the first forward) rated a replica so slow
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -27,6 +38,7 @@ class PeerStats:
     failures: int = 0  # consecutive failures
     banned_until: float = 0.0  # monotonic seconds
     measured_at: float | None = None  # monotonic seconds of the last reply; None = never
+    down_at: float | None = None  # monotonic seconds of a transport failure; None = up
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,11 +75,24 @@ class Router:
     def expected_finish(self, peer: str, now: float) -> float:
         return (self._stats(peer).in_flight + 1) * self.seconds_per_item(peer, now)
 
+    def is_down(self, peer: str) -> bool:
+        st = self.peers.get(peer)
+        return st is not None and st.down_at is not None
+
+    def usable(
+        self, candidates: list[str], now: float, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> list[str]:
+        """The candidates a micro-batch may go to now: not excluded, not banned, and not
+        down unless every candidate is down."""
+        up = [p for p in candidates if not self.is_down(p)]
+        pool = up if up else candidates
+        return [p for p in pool if p not in exclude and self._stats(p).banned_until <= now]
+
     def choose(
         self, candidates: list[str], now: float, exclude: frozenset[str] | set[str] = frozenset()
     ) -> str | None:
-        """The candidate with the lowest jittered expected finish time, or None."""
-        live = [p for p in candidates if p not in exclude and self._stats(p).banned_until <= now]
+        """The usable candidate with the lowest jittered expected finish time, or None."""
+        live = self.usable(candidates, now, exclude)
         if not live:
             return None
         return min(
@@ -87,14 +112,40 @@ class Router:
         per_item = elapsed_s / (st.in_flight + 1)
         st.seconds_per_item += self.ema * (per_item - st.seconds_per_item)
 
-    def failed(self, peer: str, now: float) -> float:
-        """Record a failure; returns the ban length in seconds."""
+    def failed(self, peer: str, now: float, *, unreachable: bool = False) -> float:
+        """Record a failure; returns the ban length in seconds. `unreachable` (a transport
+        failure) also marks the peer down until the membership shows it alive again."""
         st = self._stats(peer)
         st.in_flight = max(0, st.in_flight - 1)
         st.failures += 1
         ban = min(self.ban_max_s, self.ban_base_s * 2.0 ** (st.failures - 1))
         st.banned_until = now + ban
+        if unreachable and st.down_at is None:
+            st.down_at = now
         return ban
+
+    def revive(self, peer: str) -> bool:
+        """The membership shows `peer` alive again: up, and its ban lifted (its failure
+        count stays, so a new failure bans it longer). True if it was down."""
+        st = self.peers.get(peer)
+        if st is None or st.down_at is None:
+            return False
+        st.down_at = None
+        st.banned_until = 0.0
+        return True
+
+    def listed(self, members: Iterable[str], failed_before: float) -> list[str]:
+        """A membership view lists `members`, and proves alive each that went down before
+        `failed_before` (monotonic seconds: the view was asked for at least the
+        coordinator's TTL after that). Returns the peers revived."""
+        return [
+            p
+            for p in members
+            if (st := self.peers.get(p)) is not None
+            and st.down_at is not None
+            and st.down_at <= failed_before
+            and self.revive(p)
+        ]
 
     def forget(self, keep: set[str]) -> None:
         """Drop the stats of peers that left the membership view (bounded memory)."""

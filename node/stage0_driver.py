@@ -10,7 +10,10 @@ once. Commits go to the coordinator one at a time, in order:
   trained ranges the rule hands back are trained again (`ranges_returned` events);
 - without one, as soon as the windows are trained.
 A fenced lease is dropped at once: its windows in flight are not finished, and nothing
-of it is committed. On drain the driver finishes its open leases within half the drain
+of it is committed. When a heartbeat reply says that ranges of expired or released
+leases wait for a holder, the driver asks for one at once (`freed_only`), even with a
+full pool (up to twice its size, `LeasePool.room_for_freed`): a dead holder's data is
+trained again one heartbeat after its lease expired, not when this node next runs short. On drain the driver finishes its open leases within half the drain
 budget; what is left is released at the committed offset when the node leaves.
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import trio
@@ -75,6 +78,9 @@ class Stage0Driver:
         self.on_out_of_work: Callable[[], None] | None = None
         self.losses: deque[float] = deque(maxlen=32)  # the last micro-batch losses
         self._commit_lock = trio.Lock()  # commits go out one at a time, in order
+        self._open_lock = trio.Lock()  # one lease request at a time
+        self._opened = trio.Event()  # set when a freed range was opened (wakes the loop)
+        self.freed_opened = 0  # freed ranges taken at a heartbeat reply's word
         # (outer round, digest) of the global state that holds the ranges committed now;
         # None without an outer loop
         self._lineage: tuple[int, str] | None = None
@@ -109,6 +115,8 @@ class Stage0Driver:
         slots = trio.Semaphore(self.in_flight)
         no_grant_until = 0.0  # trio time before which asking for a lease is pointless
         async with trio.open_nursery() as nursery:
+            freed = trio.CancelScope()
+            nursery.start_soon(self._take_freed, freed)
             while True:
                 if self.drain.started:
                     if not self.pool.untaken or self.drain.past_half():
@@ -123,8 +131,7 @@ class Stage0Driver:
                     if not self.pool.untaken and self.on_out_of_work is not None:
                         self.on_out_of_work()
                 if not self.pool.untaken:
-                    with trio.move_on_after(IDLE_WAIT_S):
-                        await self.drain.wait()
+                    await self._idle()
                     continue
                 await slots.acquire()
                 # A fence may have emptied the pool while this waited for a slot.
@@ -133,27 +140,56 @@ class Stage0Driver:
                     slots.release()
                     continue
                 nursery.start_soon(self._microbatch, batch, slots)
+            freed.cancel()
             # In-flight micro-batches finish (or give up); windows never trained stay
             # uncommitted, and their leases are released at the commit point.
 
-    async def _open_one(self) -> bool:
-        """Ask for a lease and open it; False if none was granted."""
-        try:
-            grant = await self.client.acquire_grant()
-        except (CoordinatorError, CoordinatorUnavailable) as exc:
-            log.warning("node: lease request failed: %s", exc)
-            return False
-        lease = grant.lease
-        if lease is None:
-            log.debug("node: no lease granted (%s)", grant.reason)
-            return False
-        shard = self.pool.shard(lease.shard_id)
-        if shard is None:
-            shard = await self.client.fetch_shard(lease.shard_id)  # sha256-checked
-        self.pool.open(lease, shard)
+    async def _idle(self) -> None:
+        """Wait (at most IDLE_WAIT_S) for the drain or for a freed range to be opened."""
+        with trio.move_on_after(IDLE_WAIT_S):
+            async with trio.open_nursery() as nursery:
+
+                async def first(wait: Callable[[], Awaitable[object]]) -> None:
+                    await wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(first, self.drain.wait)
+                nursery.start_soon(first, self._opened.wait)
+        if self._opened.is_set():
+            self._opened = trio.Event()
+
+    async def _take_freed(self, scope: trio.CancelScope) -> None:
+        """Take the freed ranges the heartbeat replies announce while the pool has room."""
+        with scope:
+            while True:
+                await self.client.wait_freed()
+                while not self.drain.started and self.pool.room_for_freed():
+                    if not await self._open_one(freed_only=True):
+                        break
+                    self.freed_opened += 1
+                    self._opened.set()
+
+    async def _open_one(self, *, freed_only: bool = False) -> bool:
+        """Ask for a lease (`freed_only`: a range an expired or released lease left) and
+        open it; False if none was granted."""
+        async with self._open_lock:
+            try:
+                grant = await self.client.acquire_grant(freed_only=freed_only)
+            except (CoordinatorError, CoordinatorUnavailable) as exc:
+                log.warning("node: lease request failed: %s", exc)
+                return False
+            lease = grant.lease
+            if lease is None:
+                log.debug("node: no lease granted (%s)", grant.reason)
+                return False
+            shard = self.pool.shard(lease.shard_id)
+            if shard is None:
+                shard = await self.client.fetch_shard(lease.shard_id)  # sha256-checked
+            self.pool.open(lease, shard)
         log.info(
-            "node: training lease %d (shard %d, tokens %d..%d, epoch %d)",
+            "node: training lease %d (shard %d, tokens %d..%d, epoch %d%s)",
             lease.lease_id, lease.shard_id, lease.committed, lease.limit, lease.epoch,
+            ", a freed range" if freed_only else "",
         )  # fmt: skip
         return True
 

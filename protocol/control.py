@@ -34,9 +34,12 @@ Node-facing calls (request -> reply):
   last page arrived, ask `since=` the first page's version for the changes made while
   paging (`node.coordinator_client.CoordinatorClient.membership` does all this).
 - `LeaseAcquire` -> `LeaseGrant`: a data lease, or `lease=None` with a `reason`
-  ("no_shards", "deadline", "max_leases", "paused"). A lease covers the token range
-  `[committed, limit)` of one shard. `limit` is below the shard end when the node's
-  deadline allows only part of it (deadline-aware granting).
+  ("no_shards", "deadline", "max_leases", "paused", "no_freed"). A lease covers the
+  token range `[committed, limit)` of one shard. `limit` is below the shard end when the node's
+  deadline allows only part of it (deadline-aware granting). A stage-0 node's heartbeat
+  reply counts the ranges that expired or released leases left waiting
+  (`HeartbeatReply.freed`); `LeaseAcquire(freed_only=True)` asks for one of those only,
+  so a node whose lease pool is full can take one at once without growing further.
 - `LeaseCommit(lease_id, epoch, start, end)` -> `LeaseReply`: commit `[start, end)`;
   `start` must equal the lease's committed offset (commits are monotonic) and
   `end <= limit`. Optional `stage`, `round` and `digest` name the global state the
@@ -134,6 +137,8 @@ class RunInfo(Message):
     data_epoch: int = bounded(ge=0)
     # circuit-relay v2 hops the run offers to outbound-only nodes (multiaddrs, /p2p/<id>)
     relays: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)
+    # seconds between the coordinator's expiry sweeps (0 = not told: assume lease_ttl_s)
+    sweep_interval_s: float = bounded(ge=0.0, le=86_400.0, default=0.0)
 
 
 @record
@@ -240,6 +245,9 @@ class HeartbeatReply(Message):
     expires_at: float = bounded(ge=0.0, default=0.0)  # unix seconds, membership expiry
     membership_version: int = bounded(ge=0, default=0)
     data_epoch: int = bounded(ge=0, default=0)
+    # ranges of expired or released leases waiting for a holder (told to stage-0 nodes
+    # only): a node with room asks for one at once (`LeaseAcquire(freed_only=True)`)
+    freed: int = bounded(ge=0, default=0)
 
 
 @message("membership", version=1)
@@ -267,6 +275,8 @@ class ManifestRequest(Message):
 @message("lease.acquire", version=1)
 class LeaseAcquire(Message):
     max_tokens: int | None = bounded(ge=1, default=None)  # cap the granted range
+    # only a range an expired or released lease left (else `reason="no_freed"`)
+    freed_only: bool = False
 
 
 @message("lease.grant", version=1)

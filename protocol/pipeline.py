@@ -23,6 +23,9 @@ class Forward(Message):
     hidden: EncodedTensor  # the previous stage's boundary output, encoded by the run codec
     route: list[str] = bounded(max_len=MAX_ROUTE, item_max_len=MAX_PEER_ID)  # peer ids so far
     deadline: float = bounded(ge=0)  # unix seconds after which stage 0 has given up
+    # an earlier attempt of this micro-batch failed: the receiver serves it before fresh
+    # ones (it is the oldest work, re-routed around a failed peer)
+    retry: bool = False
 
 
 @message("bwd", version=1)

@@ -187,6 +187,19 @@ def test_wants_lease_counts_leases_with_untaken_windows_and_cache_is_bounded() -
     assert sorted(le.lease_id for le in held) == [1, 2, 3] and pool.untaken == 0
 
 
+def test_a_full_pool_has_room_for_freed_ranges_up_to_twice_its_size() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=8)
+    for i in range(2):
+        pool.open(lease(i + 1, shard_id=i, limit=8), SHARD)
+    assert not pool.wants_lease() and pool.room_for_freed()
+    pool.open(lease(3, shard_id=2, limit=8), SHARD)
+    assert pool.room_for_freed()
+    pool.open(lease(4, shard_id=3, limit=8), SHARD)
+    assert not pool.room_for_freed()  # 4 open leases: a freed range waits for room
+    pool.take(4)  # in lease order: leases 1 and 2 have nothing left to hand out
+    assert pool.room_for_freed() and not pool.wants_lease()
+
+
 # a round's outcome -> (applied, contributed, adopted, merged, sole)
 OUTCOMES = {
     "failed": (False, False, False, False, False),  # no result came back

@@ -103,6 +103,29 @@ def test_expired_lease_is_fenced_and_requeued_with_higher_epoch() -> None:
     assert any(e.kind == "fence" for e in book.journal.audit)
 
 
+def test_a_freed_range_is_counted_until_granted_and_freed_only_asks_take_just_those() -> None:
+    book = _book([10, 10, 10])
+    a, _ = book.acquire("a", 0.0)
+    b, _ = book.acquire("b", 0.0)
+    assert a is not None and b is not None
+    book.commit("a", a.lease_id, a.epoch, 0, 3, 1.0)
+    assert book.freed_waiting() == 0
+    assert book.acquire("c", 1.0, freed_only=True) == (None, "no_freed")
+    book.renew("b", TTL)
+    assert book.expire_due(TTL + 0.5) == [a]  # a's holder died; b's heartbeat kept b
+    book.release("b", b.lease_id, b.epoch, TTL + 0.6)
+    assert book.freed_waiting() == 2
+    # the oldest freed range first, from its committed offset, at a higher epoch
+    c, _ = book.acquire("c", TTL + 1, freed_only=True)
+    assert c is not None and (c.shard_id, c.committed, c.limit) == (a.shard_id, 3, 10)
+    assert c.epoch > a.epoch and book.freed_waiting() == 1
+    d, _ = book.acquire("d", TTL + 1)  # an ordinary ask takes a freed range first too
+    assert d is not None and d.shard_id == b.shard_id and book.freed_waiting() == 0
+    assert book.acquire("e", TTL + 1, freed_only=True) == (None, "no_freed")
+    e, _ = book.acquire("e", TTL + 1)  # the untouched shard is still there for a plain ask
+    assert e is not None and e.shard_id not in (a.shard_id, b.shard_id)
+
+
 def test_heartbeat_renewal_keeps_lease_alive() -> None:
     book = _book([10])
     a, _ = book.acquire("a", 0.0)

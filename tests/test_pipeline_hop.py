@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 import trio
+import trio.testing
 
+from node import pipeline_hop
 from node.events import EventLog, read_events
 from node.model import preset
 from node.p2p.inproc import FaultPlan, InProcessNetwork
@@ -108,6 +110,68 @@ def test_a_dropped_route_is_retried_on_the_other_replica(tmp_path: Path) -> None
         assert failed["peer"] == s.ids["a"] and failed["mb_id"] == "1.1.0"
 
 
+def test_a_dead_replica_gets_no_micro_batch_after_its_first_transport_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dropped stream marks the replica down: the micro-batch is retried through the
+    other one at once (a back-off of a minute would not fit the deadline), and no later
+    micro-batch goes to the dead one although its ban lapsed at once, until a
+    membership view shows it alive again."""
+    monkeypatch.setattr(pipeline_hop, "RETRY_WAIT_S", 60.0)
+    layout = [("s0", 0), ("a", 1), ("b", 1)]
+    plan = FaultPlan()
+    with swarm(layout, plan, tmp_path / "events.jsonl") as s:
+        plan.add(s.fault("a"), 0, "drop")
+        hop = s.hops["s0"]
+        hop.router.ban_base_s = 1e-6  # only being down keeps it out
+        a = s.ids["a"]
+
+        async def main() -> list[str]:
+            with trio.fail_after(50):  # 60 s of back-off would not fit
+                for i in range(4):
+                    assert await hop.run_microbatch(f"1.1.{i}", rows(), lambda f: f > 3)
+            assert hop.router.is_down(a) and s.network.sent[a] == 1
+            # a view asked for after the failure still lists it: alive after all
+            return hop.router.listed(hop.peers.members, trio.current_time())
+
+        assert trio.run(main) == [a]
+        assert not hop.router.is_down(a)
+        assert s.served("a") == 0 and s.served("b") == 4
+        [failed] = read_events(tmp_path / "events.jsonl", "forward_failed")
+        assert failed["peer"] == a and failed["kind"] == "unreachable"
+        [rerouted] = read_events(tmp_path / "events.jsonl", "forward_rerouted")
+        assert rerouted["mb_id"] == "1.1.0" and rerouted["peer"] == s.ids["b"]
+        assert rerouted["failures"] == 1
+
+
+def test_the_serve_gate_lets_retries_go_first_and_survives_a_cancelled_waiter() -> None:
+    gate = pipeline_hop.ServeGate()
+    order: list[str] = []
+
+    async def serve(name: str, first: bool, scope: trio.CancelScope | None = None) -> None:
+        with scope or trio.CancelScope():
+            async with gate.turn(first=first):
+                order.append(name)
+                await trio.sleep(0)
+
+    async def main() -> None:
+        gone = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            async with gate.turn(first=False):  # busy: everyone below waits, in this order
+                for name, first, scope in (("fresh1", False, None), ("gone", True, gone),
+                                           ("fresh2", False, None), ("retry", True, None)):  # fmt: skip
+                    nursery.start_soon(serve, name, first, scope)
+                    await trio.testing.wait_all_tasks_blocked()
+                gone.cancel()  # a waiter that gives up leaves no turn stuck behind it
+                await trio.testing.wait_all_tasks_blocked()
+        assert order == ["retry", "fresh1", "fresh2"]
+        with trio.fail_after(5):
+            async with gate.turn(first=False):
+                pass
+
+    trio.run(main)
+
+
 @pytest.mark.parametrize("fault", ["timeout", "refuse", "garbage"])
 def test_each_fault_costs_one_attempt(tmp_path: Path, fault: str) -> None:
     layout = [("s0", 0), ("a", 1), ("b", 1)]
@@ -118,7 +182,9 @@ def test_each_fault_costs_one_attempt(tmp_path: Path, fault: str) -> None:
         hop.request_timeout_s = 1.0
         loss = trio.run(hop.run_microbatch, "1.1.0", rows(), lambda failures: failures > 3)
         assert loss is not None
-        assert len(read_events(tmp_path / "events.jsonl", "forward_failed")) == 1
+        [failed] = read_events(tmp_path / "events.jsonl", "forward_failed")
+        assert failed["kind"] == {"timeout": "timeout", "refuse": "refused"}.get(fault, "bad_reply")
+        assert not hop.router.is_down(s.ids["a"])  # a lapsing ban only
         # a garbage reply was computed by `a` and thrown away; the others never reached it
         assert s.served("a") == (1 if fault == "garbage" else 0)
         assert s.served("b") == 1

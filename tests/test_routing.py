@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+from node.p2p.inproc import FaultPlan, InProcessNetwork
+from node.peer_view import PeerView, proof_s
 from node.routing import Router
+from protocol.control import PeerInfo, RunInfo
 
 
 def _router(**kw: float) -> Router:
@@ -76,3 +80,68 @@ def test_a_peer_measured_slow_once_is_retried_when_its_estimate_ages() -> None:
     r.started("joiner")
     r.succeeded("joiner", 1.8, now=40.0)
     assert r.seconds_per_item("joiner", now=40.0) > 1.0
+
+
+def test_an_unreachable_peer_stays_down_until_a_late_enough_view_lists_it() -> None:
+    r = _router(jitter=0.0, ban_base_s=1.0)
+    r.succeeded("a", 0.1, now=0)
+    r.succeeded("b", 1.0, now=0)
+    r.failed("a", now=5, unreachable=True)
+    # its ban lapsed long ago, and it is the faster peer: still not chosen while b is up
+    assert r.is_down("a") and r.choose(["a", "b"], now=100) == "b"
+    assert r.usable(["a", "b"], now=100) == ["b"]
+    r.failed("b", now=100)  # b times out: banned, not down; a stays out all the same
+    assert r.choose(["a", "b"], now=100.5) is None
+    assert r.listed(["a", "b"], failed_before=4.9) == []  # asked too soon after the failure
+    assert r.is_down("a")
+    assert r.listed(["a", "b"], failed_before=5.0) == ["a"]
+    assert not r.is_down("a") and r.choose(["a", "b"], now=100.5) == "a"  # ban lifted too
+
+
+def test_a_timeout_or_bad_reply_keeps_the_lapsing_ban() -> None:
+    r = _router(jitter=0.0, ban_base_s=1.0)
+    r.succeeded("a", 0.1, now=0)
+    r.succeeded("b", 1.0, now=0)
+    r.failed("a", now=0)
+    assert not r.is_down("a") and r.choose(["a", "b"], now=0.5) == "b"
+    assert r.choose(["a", "b"], now=1.5) == "a"
+
+
+def test_when_every_candidate_is_down_they_are_tried_once_their_bans_lapse() -> None:
+    r = _router(jitter=0.0, ban_base_s=1.0)
+    r.failed("a", now=0, unreachable=True)
+    r.failed("b", now=0, unreachable=True)
+    assert r.choose(["a", "b"], now=0.5) is None
+    assert r.choose(["a", "b"], now=1.5) in {"a", "b"}
+    assert r.choose(["a", "b"], now=1.5, exclude={"a"}) == "b"
+
+
+def test_the_view_revives_a_down_peer_that_rejoined_with_new_addresses() -> None:
+    network = InProcessNetwork(FaultPlan())
+    me, other = network.transport("me"), "peer-a"
+    router = _router(jitter=0.0)
+    view = PeerView(me, router, stage=0)
+
+    def info(addrs: list[str]) -> dict[str, PeerInfo]:
+        return {other: PeerInfo(peer_id=other, stage=1, addrs=addrs, device="cpu", throughput=0)}
+
+    view.update(1, info(["/ip4/127.0.0.1/tcp/4001"]))
+    router.failed(other, now=0, unreachable=True)
+    view.update(2, info(["/ip4/127.0.0.1/tcp/4001"]))  # the same entry: no evidence
+    assert router.is_down(other)
+    view.update(3, info(["/ip4/127.0.0.1/tcp/4002"]))  # a new process listens elsewhere
+    assert not router.is_down(other)
+    router.failed(other, now=1, unreachable=True)
+    view.update(4, {})  # it left the view: forgotten, fresh if it comes back
+    assert other not in router.peers
+
+
+def test_proof_covers_the_peer_ttl_a_sweep_and_a_heartbeat() -> None:
+    run = RunInfo(
+        run_id="r", model_preset="tiny", n_stages=2, codec="c", seed=0,
+        heartbeat_interval_s=1.0, lease_ttl_s=5.0, dataset_name="d", dataset_hash="h",
+        shards=1, data_epoch=0, sweep_interval_s=0.5,
+    )  # fmt: skip
+    assert proof_s(run) == 6.5
+    # a coordinator that does not say its sweep interval: assume the longest it may be
+    assert proof_s(dataclasses.replace(run, sweep_interval_s=0.0)) == 11.0

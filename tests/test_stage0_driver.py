@@ -1,10 +1,13 @@
 """Stage 0's driver against a real coordinator (its SQLite file, its lease book) with the
 pipeline on the in-process transport: it leases, trains through a stage-1 replica that
 fails on schedule, commits what it trained, releases the rest, and the audit is clean.
-Also: a fence that empties the pool while the driver waits for a pipeline slot."""
+Also: a fence that empties the pool while the driver waits for a pipeline slot, and a
+dead holder's range that the driver takes over at its heartbeat reply's word, with its
+pool already full."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,10 +43,11 @@ def run_driver(
     in_flight: int,
     max_tokens: int | None,
     shuffle: bool = True,
-    during: Callable[[Stage0Driver], object] | None = None,
+    during: Callable[..., object] | None = None,
 ) -> tuple[Stage0Driver, dict[str, PipelineHop]]:
     """One stage-0 driver (joined to a real coordinator) and stage-1 replicas `a`, `b`
-    in process; runs until the driver has drained. `during(driver)` runs as a task."""
+    in process; runs until the driver has drained. `during(driver, port)` runs as a task
+    (`port`: the coordinator's)."""
     coord = start_coordinator(tmp_path, config=write_config(tmp_path), db=tmp_path / "c.sqlite")
     keys = {name: NodeKey.generate() for name in ("s0", "a", "b")}
     ids = {name: k.peer_id for name, k in keys.items()}
@@ -75,7 +79,7 @@ def run_driver(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(cl.heartbeat_loop, pool.refs)
                 if during is not None:
-                    nursery.start_soon(during, driver)
+                    nursery.start_soon(during, driver, coord.port)
                 with trio.fail_after(120):
                     await driver.run()
                 await driver.release_all()
@@ -109,7 +113,7 @@ def test_a_fence_that_empties_the_pool_while_waiting_for_a_slot(tmp_path: Path) 
     frees, the driver finds nothing to cut, leases again and trains on."""
     fenced: list[int] = []
 
-    async def fence_while_waiting(driver: Stage0Driver) -> None:
+    async def fence_while_waiting(driver: Stage0Driver, port: int) -> None:
         compute = driver.hop.compute
         assert compute is not None
         while not (driver.pool.open_leases >= 2 and compute._cache):
@@ -121,3 +125,51 @@ def test_a_fence_that_empties_the_pool_while_waiting_for_a_slot(tmp_path: Path) 
         during=fence_while_waiting,
     )  # fmt: skip
     assert len(fenced) == 2 and driver.pool.tokens_committed >= 256
+
+
+def test_a_dead_holders_range_is_taken_over_at_the_heartbeat_replys_word(tmp_path: Path) -> None:
+    """Another stage-0 member takes a lease and dies (no more heartbeats). Once its
+    membership lapses, the coordinator counts the freed range in the driver's heartbeat
+    replies, and the driver asks for it at once although its pool is full (it asks for
+    no ordinary lease: stage 1 drops every request, so no window is used up): the same
+    shard, from the committed offset, at a higher fencing epoch."""
+    dead: list[c.LeaseInfo] = []
+
+    def faults(ids: dict[str, str]) -> FaultPlan:
+        plan = FaultPlan()
+        for step in range(500):
+            plan.add(ids["a"], step, "drop").add(ids["b"], step, "drop")
+        return plan
+
+    async def die_holding_a_lease(driver: Stage0Driver, port: int) -> None:
+        with trio.fail_after(60):
+            while driver.pool.open_leases < 2:  # the driver's pool fills up
+                await trio.sleep(0.05)
+            async with CoordinatorClient("127.0.0.1", port, NodeKey.generate(), config=FAST) as z:
+                await z.join(c.JoinRequest(stage=0))
+                lease = await z.acquire()
+                assert lease is not None
+                dead.append(lease)
+            while driver.freed_opened == 0:  # its TTL lapses; then the next heartbeat
+                assert not driver.pool.wants_lease()
+                await trio.sleep(0.05)
+        driver.drain.start("test done")
+
+    driver, _ = run_driver(
+        tmp_path, faults, in_flight=1, max_tokens=None, during=die_holding_a_lease,
+    )  # fmt: skip
+    [lease] = dead
+    conn = sqlite3.connect(tmp_path / "c.sqlite")
+    try:
+        grants = conn.execute(
+            "SELECT holder, epoch, start FROM audit WHERE kind = 'grant' AND shard_id = ?"
+            " AND epoch > ? ORDER BY seq",
+            (lease.shard_id, lease.epoch),
+        ).fetchall()
+        s0 = conn.execute(
+            "SELECT holder FROM audit WHERE kind = 'grant' ORDER BY seq LIMIT 1"
+        ).fetchone()[0]
+    finally:
+        conn.close()
+    assert driver.freed_opened == 1
+    assert grants[0] == (s0, lease.epoch + 1, lease.committed)  # the driver took it over

@@ -41,6 +41,7 @@ from node.p2p.relay import RelaySupport, is_circuit
 from node.p2p.transport import (
     Handler,
     P2PConfig,
+    PeerUnreachable,
     RequestRefused,
     RequestTimeout,
     TransportError,
@@ -428,8 +429,8 @@ class Libp2pTransport:
             raise TransportError(
                 f"peer {peer_id} sent a bad reply on {protocol_id}: {exc}", peer_id=peer_id
             ) from exc
-        except Exception as exc:
-            raise TransportError(
+        except Exception as exc:  # dial refused, stream reset or closed before the reply
+            raise PeerUnreachable(
                 f"request {protocol_id} to peer {peer_id} failed: {type(exc).__name__}: {exc}",
                 peer_id=peer_id,
             ) from exc

@@ -2,12 +2,13 @@
 
 Every request and reply is encoded, checked against the frame limit and decoded again
 (`protocol.codec`), so a handler sees exactly what it would see over py-libp2p, and a
-handler's `ProtocolError` or failure comes back as the same `TransportError` subclasses.
+handler's `ProtocolError` (a reset stream: `PeerUnreachable`) or failure comes back as
+the same `TransportError` subclasses.
 Only members (`set_membership`) are served. A `FaultPlan` fails chosen requests
 deterministically by (peer, step), where step counts the requests sent to that peer on
 one network from 0, so unit tests of the pipeline hop and stage 0's driver can cut a
 route exactly where they want:
-- "drop": the stream resets before a reply (`TransportError`);
+- "drop": the stream resets before a reply (`PeerUnreachable`, as a dead peer's does);
 - "timeout": nothing comes back within the request's timeout (`RequestTimeout`);
 - "refuse": the peer answers `Refused` (`RequestRefused`);
 - "garbage": the reply's bytes do not decode (`TransportError`).
@@ -23,7 +24,13 @@ from typing import Literal
 import trio
 
 from node.p2p.limits import MembershipFilter, allow_everyone
-from node.p2p.transport import Handler, RequestRefused, RequestTimeout, TransportError
+from node.p2p.transport import (
+    Handler,
+    PeerUnreachable,
+    RequestRefused,
+    RequestTimeout,
+    TransportError,
+)
 from protocol.codec import DEFAULT_MAX_FRAME, decode, encode
 from protocol.dataplane import Refused
 from protocol.errors import ProtocolError
@@ -113,12 +120,12 @@ class InProcessTransport:
             await trio.sleep(timeout)
             raise RequestTimeout(peer_id=peer_id, protocol_id=protocol_id, timeout=timeout)
         if fault == "drop":
-            raise TransportError(f"peer {peer_id} reset the stream (step {step})", peer_id=peer_id)
+            raise PeerUnreachable(f"peer {peer_id} reset the stream (step {step})", peer_id=peer_id)
         if fault == "refuse":
             raise RequestRefused(peer_id=peer_id, reason="internal", retry_after=0.0, detail="")
         target = self.network.peers.get(peer_id)
         if target is None:
-            raise TransportError(f"peer {peer_id} is unreachable", peer_id=peer_id)
+            raise PeerUnreachable(f"peer {peer_id} is unreachable", peer_id=peer_id)
         request = self._wire(msg)
         try:
             with trio.fail_after(timeout):
@@ -155,7 +162,7 @@ class InProcessTransport:
         try:
             reply = await handler(remote, request)
         except ProtocolError as exc:  # the requester broke the protocol: the stream resets
-            raise TransportError(
+            raise PeerUnreachable(
                 f"peer {self._peer_id} reset the stream: {exc}", peer_id=self._peer_id
             ) from exc
         except Exception as exc:

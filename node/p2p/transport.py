@@ -31,6 +31,12 @@ class TransportError(Exception):
         self.peer_id = peer_id
 
 
+class PeerUnreachable(TransportError):
+    """The connection failed before a reply: the dial was refused, or the stream was
+    reset or closed. Unlike a timeout or a bad reply, this is what a dead peer looks like
+    (`node.routing.Router` avoids the peer until the membership shows it alive again)."""
+
+
 class RequestTimeout(TransportError):
     """No reply arrived within the request's deadline."""
 
