@@ -45,6 +45,8 @@ from node.outer.contract import (
     Fetch,
     Init,
     OuterConfig,
+    Peek,
+    Peeked,
     Ready,
     Reply,
     RoundFailed,
@@ -234,6 +236,13 @@ class OuterLink:
         self.digest = reply.digest
         self.lineage = reply.lineage
         return self.round
+
+    def peers_waiting(self, timeout: float = 10.0) -> int:
+        """Other replicas of the stage looking for a group right now (between rounds; a
+        DHT read in the outer process, a few ms)."""
+        self._require_idle()
+        self._send(Peek())
+        return self._expect(Peeked, timeout).waiting
 
     def begin_round(
         self, params: Sequence[torch.Tensor], tokens: int, target_tokens: int | None = None

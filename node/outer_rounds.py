@@ -2,7 +2,11 @@
 
 `OuterRounds` owns one `OuterLink` (the hivemind process) and decides when a round
 starts: every `every_steps` inner steps, once the previous round has finished, so a
-round always overlaps with training and communication never stalls compute. Every call
+round always overlaps with training and communication never stalls compute; or
+earlier, after a quarter of them, when another replica of the stage is looking for a
+group (`join_early`): replicas whose rounds fall out of phase by more than the
+matchmaking window would otherwise step alone for good, each rebasing on the other's
+lone result. Every call
 that touches the parameters runs on the torch worker thread, which serialises it with
 forward and backward. A round's snapshot first takes an inner step over the gradients
 accumulated so far, so the snapshot holds every window finished before the round began.
@@ -35,6 +39,7 @@ from node.worker import TorchWorker
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # seconds between checks for a finished round
+PEEK_S = 1.0  # seconds between looks for a replica forming a group (between rounds)
 OnRound = Callable[[GlobalState, RoundFacts], Awaitable[None]]
 
 
@@ -73,6 +78,11 @@ class OuterRounds:
         # begin while the last one's merge and `on_round` (commits, checkpoint) run.
         self._tick_lock = trio.Lock()
         self._early = False  # start the next round as soon as any inner step was taken
+        # start a round after a quarter of `every_steps` when a groupmate is waiting
+        self.join_early = True
+        self._peeked_at = 0.0  # monotonic seconds of the last look
+        self.joined_early = 0  # rounds begun early to join a waiting replica
+        self._joining = False  # the round in flight began early, to join one
         self.events = events or EventLog()
 
     @classmethod
@@ -209,6 +219,10 @@ class OuterRounds:
             if steps >= self.every_steps or (self._early and steps > 0):
                 self._early = False
                 await self.begin()
+            elif await self._groupmate_waiting(steps):
+                self.joined_early += 1
+                log.info("outer: a replica is forming a group; joining after %d steps", steps)
+                await self.begin(joining=True)
             return
         try:
             result = await self.worker.run(self.link.poll_result)
@@ -220,8 +234,23 @@ class OuterRounds:
         if result is not None:
             await self._apply(result)
 
-    async def begin(self) -> None:
-        """Snapshot the working copy and hand it to the outer process."""
+    async def _groupmate_waiting(self, steps: int) -> bool:
+        if not self.join_early or steps < max(1, self.every_steps // 4):
+            return False
+        now = time.monotonic()
+        if now - self._peeked_at < PEEK_S:
+            return False
+        self._peeked_at = now
+        try:
+            return await self.worker.run(self.link.peers_waiting) > 0
+        except (OuterLinkError, OSError, TimeoutError) as exc:
+            log.warning("outer: could not look for a forming group (%s)", exc)
+            return False
+
+    async def begin(self, *, joining: bool = False) -> None:
+        """Snapshot the working copy and hand it to the outer process (`joining`: early, to
+        meet a replica that is forming a group)."""
+        self._joining = joining
         tokens = self.compute.tokens_trained - self._tokens_at_last
         self._in_flight = self._snapshot_fn()
         self._steps_at_last = self.compute.inner_steps
@@ -257,7 +286,7 @@ class OuterRounds:
             self.events.emit(
                 "round_applied", round=result.round, group_size=result.group_size,
                 tokens=result.tokens, seconds=result.seconds, rebased=result.rebased,
-                contributed=result.contributed,
+                contributed=result.contributed, joined_early=self._joining,
             )  # fmt: skip
         else:
             log.warning(

@@ -55,6 +55,7 @@ COMMANDS: list[c.Command] = [
     c.Begin(tokens=100),
     c.Begin(tokens=0, target_tokens=400),
     c.Stop(),
+    c.Peek(),
 ]
 REPLIES: list[c.Reply] = [
     c.Ready(addrs=["/ip4/127.0.0.1/tcp/5/p2p/Qm"], peer_id="QmPeer"),
@@ -78,6 +79,7 @@ REPLIES: list[c.Reply] = [
     ),
     c.RoundFailed(error="no state: call set_state or fetch_state first"),
     c.Fatal(error="RuntimeError: boom"),
+    c.Peeked(waiting=1),
 ]
 SAMPLES: list[c.Command | c.Reply] = [*COMMANDS, *REPLIES]
 DECODERS = [c.decode_command, c.decode_reply]
@@ -152,6 +154,9 @@ def _with(msg: Any, **changes: Any) -> dict[str, Any]:
         (c.Begin, {"op": "begin"}),
         (c.Stop, {"op": "stop", "extra": 1}),
         (c.Stop, {"op": "begin"}),
+        (c.Peek, {"op": "peek", "waiting": 1}),
+        (c.Peeked, {"op": "peeked", "waiting": -1}),
+        (c.Peeked, {"op": "peeked", "waiting": True}),
         (c.StateFetched, _with(REPLIES[2], round=-2)),
         (c.StateSet, _with(REPLIES[1], digest="x" * 65)),
         (c.RoundResult, _with(REPLIES[4], group_size=0)),

@@ -350,3 +350,30 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
             w.close()
     [move] = read_events(tmp_path / f"{ids[1]}.jsonl", "dht_move")
     assert move["root"] == ids[0] and move["rounds"] == LONE_ROUNDS_TO_MOVE
+
+
+def test_a_replica_sees_a_groupmate_looking_for_a_group_and_joins_its_round(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """Between rounds a replica can see that another replica of its stage is forming a
+    group (its live matchmaking declaration in the DHT) and begin its own round early:
+    the two form a group although they began seconds apart."""
+    run = uuid.uuid4().hex[:8]
+    a = start(links, child_env, run, [])
+    b = start(links, child_env, run, a.dht_addrs())
+    theta0 = params(0, 1.0)
+    a.set_initial_state(theta0)
+    assert b.fetch_state(timeout=15) == 0
+    assert a.peers_waiting() == 0 and b.peers_waiting() == 0  # nobody is in a round
+    wa = [p - 0.01 * q for p, q in zip(theta0, params(1, 1.0), strict=True)]
+    wb = [p - 0.01 * q for p, q in zip(theta0, params(2, 1.0), strict=True)]
+    a.begin_round(wa, 100)
+    deadline = time.monotonic() + 10.0
+    while b.peers_waiting() == 0:
+        assert time.monotonic() < deadline, "no groupmate seen looking for a group in 10 s"
+        time.sleep(0.1)
+    b.begin_round(wb, 100)
+    ra, rb = a.wait_result(30), b.wait_result(30)
+    assert (ra.group_size, rb.group_size) == (2, 2), (ra, rb)
+    assert ra.digest == rb.digest
+    assert b.peers_waiting() == 0  # the declaration is withdrawn once the group formed

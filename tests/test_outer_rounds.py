@@ -189,3 +189,74 @@ def test_a_lone_round_then_an_adopted_state_hands_the_lone_rounds_ranges_back(
     assert f1.adopted and spans(v1) == ([], [(0, 8)]) and v1.held == 0
     assert spans(v2) == ([], []) and v2.held == 1  # [8, 16) is in; the gap holds it back
     assert spans(v3) == ([(0, 24)], []) and v3.held == 0  # with this round's [16, 24)
+
+
+def test_a_replica_joins_a_forming_group_after_a_quarter_of_its_steps(
+    scripted: tuple[OuterLink, socket.socket], tmp_path: Path
+) -> None:
+    """Between rounds, once a quarter of `every_steps` is trained, the rounds look (at most
+    once a `PEEK_S`) whether another replica is forming a group, and begin early if so."""
+    link, peer = scripted
+    events = tmp_path / "events.jsonl"
+    pool = LeasePool(seq_len=SEQ, max_open=1, shard_cache=1)
+    compute = Compute()
+    worker = TorchWorker()
+
+    async def on_round(_state: object, facts: RoundFacts) -> None:
+        pass
+
+    rounds = OuterRounds(
+        worker, compute, link, every_steps=8, snapshot=pool.snapshot,  # type: ignore[arg-type]
+        on_round=on_round, sole_replica=lambda: False, events=EventLog(events),
+    )  # fmt: skip
+    decoder = FrameDecoder(max_frame=c.MAX_CONTROL_FRAME)
+    peer.settimeout(5.0)
+    peer.setblocking(False)
+
+    def commands() -> list[c.Command]:
+        try:
+            return [c.decode_command(p) for p in decoder.feed(peer.recv(1 << 16))]
+        except BlockingIOError:
+            return []
+
+    async def answer(waiting: int) -> list[c.Command]:
+        """Tick until the rounds send a command; answer a Peek with `waiting`."""
+        rounds._peeked_at = 0.0  # do not wait out PEEK_S
+        with trio.fail_after(5.0):
+            while True:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(rounds.tick)
+                    await trio.sleep(0.05)
+                    got = commands()
+                    if got and isinstance(got[0], c.Peek):
+                        peer.sendall(c.encode(c.Peeked(waiting=waiting)))
+                if got:
+                    return got
+
+    async def main() -> None:
+        compute.inner_steps = 1  # below a quarter of 8: no look
+        rounds._peeked_at = 0.0
+        await rounds.tick()
+        await trio.sleep(0.05)
+        assert commands() == [] and not rounds.in_flight
+        compute.inner_steps = 2
+        assert isinstance((await answer(0))[0], c.Peek) and not rounds.in_flight
+        assert isinstance((await answer(1))[0], c.Peek)
+        got = commands()
+        with trio.fail_after(5.0):
+            while not got:
+                await trio.sleep(0.01)
+                got = commands()
+        assert isinstance(got[0], c.Begin) and rounds.in_flight and rounds.joined_early == 1
+        peer.sendall(c.encode(result(1)))
+        with trio.fail_after(5.0):
+            while rounds.in_flight:
+                await rounds.tick()
+                await trio.sleep(0.01)
+
+    try:
+        trio.run(main)
+    finally:
+        worker.close()
+    [applied] = read_events(events, "round_applied")
+    assert applied["joined_early"] is True

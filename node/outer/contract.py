@@ -14,6 +14,7 @@ One command is in flight at a time:
     SetState -> StateSet
     Fetch    -> StateFetched
     Begin    -> RoundResult | RoundFailed
+    Peek     -> Peeked   (between rounds: are other replicas forming a group now?)
     Stop     -> (the outer process leaves its group and exits)
 
 `Fatal` may arrive instead of any reply; the outer process exits after sending it.
@@ -48,6 +49,8 @@ __all__ = [
     "Fetch",
     "Init",
     "OuterConfig",
+    "Peek",
+    "Peeked",
     "Ready",
     "Reply",
     "RoundFailed",
@@ -191,6 +194,21 @@ class Stop:
     """Leave the group, release the buffers and exit."""
 
     OP: ClassVar[str] = "stop"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        _fields(cls, obj)
+        return cls()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Peek:
+    """Between rounds: how many other replicas of the stage are looking for a group now?"""
+
+    OP: ClassVar[str] = "peek"
 
     def to_wire(self) -> dict[str, Any]:
         return {"op": self.OP}
@@ -353,6 +371,22 @@ class RoundFailed:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Peeked:
+    """Answer to `Peek`: other replicas whose matchmaking declaration is live in the DHT."""
+
+    OP: ClassVar[str] = "peeked"
+    waiting: int  # replicas (peers), this one not counted
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, "waiting": self.waiting}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        d = _fields(cls, obj)
+        return cls(waiting=_int(d, "waiting", cls, lo=0, hi=MAX_PEERS))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Fatal:
     """The outer process failed and is exiting."""
 
@@ -368,11 +402,11 @@ class Fatal:
         return cls(error=_str(d, "error", cls, max_len=MAX_TEXT))
 
 
-Command = Init | SetState | Fetch | Begin | Stop
-Reply = Ready | StateSet | StateFetched | RoundResult | RoundFailed | Fatal
-COMMANDS: dict[str, type[Command]] = {c.OP: c for c in (Init, SetState, Fetch, Begin, Stop)}
+Command = Init | SetState | Fetch | Begin | Peek | Stop
+Reply = Ready | StateSet | StateFetched | RoundResult | RoundFailed | Peeked | Fatal
+COMMANDS: dict[str, type[Command]] = {c.OP: c for c in (Init, SetState, Fetch, Begin, Peek, Stop)}
 REPLIES: dict[str, type[Reply]] = {
-    r.OP: r for r in (Ready, StateSet, StateFetched, RoundResult, RoundFailed, Fatal)
+    r.OP: r for r in (Ready, StateSet, StateFetched, RoundResult, RoundFailed, Peeked, Fatal)
 }
 
 

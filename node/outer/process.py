@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from hivemind import DHT
+from hivemind.utils import get_dht_time
 
 from node.diloco import Contribution, OuterState, nesterov_step, outer_step, participation_lr
 from node.outer.averager import StageAverager
@@ -32,6 +33,8 @@ from node.outer.contract import (
     Command,
     Fetch,
     Init,
+    Peek,
+    Peeked,
     Ready,
     Reply,
     RoundFailed,
@@ -175,6 +178,8 @@ class OuterProcess:
             if cmd.target_tokens is not None:  # the participation rule's target (tokens)
                 self.cfg.diloco.target_tokens = cmd.target_tokens
             return self.run_round(cmd.tokens)
+        if isinstance(cmd, Peek):
+            return Peeked(waiting=self.peers_looking_for_group())
         raise ProtocolError(f"unexpected command {cmd!r:.200}")
 
     # ---- state -----------------------------------------------------------------------
@@ -234,6 +239,21 @@ class OuterProcess:
             if isinstance(getattr(v, "value", None), float | int)
         ]
         return int(max(rounds)) if rounds else -1
+
+    def peers_looking_for_group(self) -> int:
+        """Other replicas of this stage whose matchmaking declaration (hivemind's group key,
+        one subkey per averager, True while it looks for a group) has not expired."""
+        found = self.dht.get(f"{self.prefix}.0b", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return 0
+        me, now = self.dht.peer_id.to_bytes(), get_dht_time()
+        return sum(
+            1
+            for key, v in found.value.items()
+            if key != me
+            and getattr(v, "value", None) is True
+            and float(getattr(v, "expiration_time", 0.0)) > now
+        )
 
     # ---- a round ---------------------------------------------------------------------
 
