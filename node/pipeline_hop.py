@@ -11,9 +11,10 @@ the micro-batch goes another way; one whose request failed at the transport leve
 (`PeerUnreachable`: dial refused, stream reset or closed, what a dead peer looks like) is
 not routed to again until the membership shows it alive. A failed micro-batch is retried
 at once while a peer it has not tried is usable, and after a back-off (0.5 s, doubling)
-once every usable peer failed it. A retry is sent with `Forward.retry`, and a serving
-stage computes such forwards before fresh ones (`ServeGate`), so a micro-batch re-routed
-around a dead replica does not queue behind the survivor's whole backlog. Forwards are served only to members of the previous
+once every usable peer failed it. A retry is sent with `Forward.retry`, and the pipeline's
+torch jobs take the worker in priority order (`WorkerGate`): a retried micro-batch's
+work first, then backwards, then fresh forwards, so a micro-batch re-routed around a dead
+replica does not queue behind the survivor's backlog nor behind stage 0's new forwards. Forwards are served only to members of the previous
 stage, with at most `max_rows` sequences (the run's micro-batch: a larger block is bad
 input, the sender is banned by the transport), and what a sender computes here is
 cached under its own peer id, so one member cannot replace another's activations. All torch work runs on the node's one
@@ -55,21 +56,25 @@ RETRY_WAIT_S = 0.5  # seconds before a retry once every usable peer failed (doub
 RETRY_WAIT_MAX_S = 8.0  # seconds, the longest retry back-off
 
 
-class ServeGate:
-    """Served forwards take the torch worker one at a time, re-sent micro-batches (`first`)
-    before fresh ones, each group in arrival order. The worker runs one job at a time
-    anyway; without the gate its queue is first come, first served."""
+RETRIED, BACKWARD, FRESH = 0, 1, 2  # WorkerGate priorities, most urgent first
+
+
+class WorkerGate:
+    """The pipeline's torch jobs take the worker one at a time, in priority order
+    (`RETRIED` work, then `BACKWARD`s, then `FRESH` forwards), each priority in arrival
+    order. The worker runs one job at a time anyway; without the gate its queue is first
+    come, first served."""
 
     def __init__(self) -> None:
         self._busy = False
-        self._waiting: list[tuple[int, int, trio.Event]] = []  # (0 = first, arrival, wake)
+        self._waiting: list[tuple[int, int, trio.Event]] = []  # (priority, arrival, wake)
         self._arrivals = 0
 
     @asynccontextmanager
-    async def turn(self, *, first: bool) -> AsyncIterator[None]:
+    async def turn(self, priority: int) -> AsyncIterator[None]:
         if self._busy:
             self._arrivals += 1
-            entry = (0 if first else 1, self._arrivals, trio.Event())
+            entry = (priority, self._arrivals, trio.Event())
             heapq.heappush(self._waiting, entry)
             try:
                 await entry[2].wait()
@@ -118,7 +123,7 @@ class PipelineHop:
         self.built = trio.Event()
         self.tokens_trained = 0  # tokens this stage trained on (forward + backward)
         self._bytes_seen: dict[str, int] = {}  # codec byte counts already in the metrics
-        self.gate = ServeGate()  # served forwards: retries first
+        self.gate = WorkerGate()  # the order of the pipeline's torch jobs
 
     def stage_built(self, compute: StageCompute) -> None:
         self.compute = compute
@@ -197,13 +202,23 @@ class PipelineHop:
         )  # fmt: skip
 
     async def _backward(
-        self, peer: str, key: str, rows: np.ndarray, hidden: EncodedTensor | None, reply: Backward
+        self,
+        peer: str,
+        key: str,
+        rows: np.ndarray,
+        hidden: EncodedTensor | None,
+        reply: Backward,
+        *,
+        retried: bool,
     ) -> tuple[bool, EncodedTensor | None]:
         """Backward with the gradient `peer` answered; (False, None) when it does not
         decode (the peer is then avoided, like one that failed)."""
         assert self.compute is not None
         try:
-            grad_in = await self.worker.run(self.compute.backward, key, rows, hidden, reply.grad)
+            async with self.gate.turn(RETRIED if retried else BACKWARD):
+                grad_in = await self.worker.run(
+                    self.compute.backward, key, rows, hidden, reply.grad
+                )
         except ProtocolError as exc:
             self._failed(peer, reply.mb_id, exc)
             return False, None
@@ -226,18 +241,25 @@ class PipelineHop:
         first_failure = 0.0  # trio time of the first failed attempt
         hidden: EncodedTensor | None = None  # the forward's output, sent on every attempt
         while not give_up(failures):
-            peer = self.pick_next(tried)
-            if peer is not None:
-                if hidden is None:
+            if hidden is None:
+                async with self.gate.turn(FRESH):
                     out = await self.worker.run(compute.forward, mb_id, rows, None)
-                    assert isinstance(out, EncodedTensor)
-                    hidden = out
+                assert isinstance(out, EncodedTensor)
+                hidden = out
+            peer = self.pick_next(tried)  # after the forward: the newest view of the peers
+            if peer is not None:
+                retried = failures > 0
                 reply = await self.send_forward(
-                    peer, mb_id, tokens, hidden, [self.transport.peer_id], retry=failures > 0
+                    peer, mb_id, tokens, hidden, [self.transport.peer_id], retry=retried
                 )
-                if reply is not None and (await self._backward(peer, mb_id, rows, None, reply))[0]:
+                ok = (
+                    reply is not None
+                    and (await self._backward(peer, mb_id, rows, None, reply, retried=retried))[0]
+                )
+                if ok:
+                    assert reply is not None
                     self._account(rows)
-                    if failures:
+                    if retried:
                         self.events.emit(
                             "forward_rerouted", mb_id=mb_id, peer=peer, failures=failures,
                             seconds=round(trio.current_time() - first_failure, 4),
@@ -273,13 +295,14 @@ class PipelineHop:
         max_seq = compute.model.config.max_seq_len
         if not 1 <= rows.shape[0] <= self.max_rows or not 2 <= rows.shape[1] <= max_seq + 1:
             raise ProtocolError(f"token block of shape {list(rows.shape)} is out of bounds")
+        first = RETRIED if msg.retry else FRESH
         if compute.is_last:
-            async with self.gate.turn(first=msg.retry):
+            async with self.gate.turn(first):
                 grad, loss = await self.worker.run(compute.forward, key, rows, msg.hidden)  # type: ignore[misc]
             assert grad is not None
             self._account(rows)
             return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=rows.size - rows.shape[0])
-        async with self.gate.turn(first=msg.retry):
+        async with self.gate.turn(first):
             hidden = await self.worker.run(compute.forward, key, rows, msg.hidden)
         assert isinstance(hidden, EncodedTensor)
         route = [*msg.route, self.transport.peer_id]
@@ -293,7 +316,9 @@ class PipelineHop:
                         peer, msg.mb_id, msg.tokens, hidden, route, retry=retry
                     )
                     if reply is not None:
-                        ok, grad_in = await self._backward(peer, key, rows, msg.hidden, reply)
+                        ok, grad_in = await self._backward(
+                            peer, key, rows, msg.hidden, reply, retried=retry
+                        )
                         if ok:
                             break
                     retry = True

@@ -3,7 +3,10 @@
 Runs the benchmark as a user would (`agora bench failover`, a coordinator and 2 stages x 2
 replicas of real processes, real SIGKILLs) and checks its JSON: every key is there,
 every time is finite and positive, a lease expires within its bounds, and `agora audit`
-finds no lost and no duplicated range. About 75 s on the shared 2-core box.
+finds no lost and no duplicated range. Of the failover goals it asserts the mechanism,
+not the timing (a loaded box stretches every micro-batch): the victim's death was
+detected as a transport failure, and no stage-0 node sent it a request after its own
+detection. About 75 s on the shared 2-core box.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ TIME_KEYS = (
     "lease_regrant_seconds",
     "first_commit_seconds",
 )
+DELTA_KEYS = ("reroute_after_detection_s", "regrant_after_expiry_s")
 
 
 @pytest.mark.slow
@@ -42,9 +46,13 @@ def test_failover_bench_one_trial(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    for key in (*TIME_KEYS, "retried_microbatches", "lost_ranges", "duplicated_ranges",
-                "settings", "summary", "trials", "bounds"):  # fmt: skip
+    for key in (*TIME_KEYS, *DELTA_KEYS, "retried_microbatches", "sent_after_detection",
+                "lost_ranges", "duplicated_ranges", "settings", "summary", "trials", "bounds",
+                "goals", "met"):  # fmt: skip
         assert key in report, key
+    for key in DELTA_KEYS:
+        assert isinstance(report[key], list) and len(report[key]) == 1, (key, report[key])
+        assert all(math.isfinite(v) for v in report[key]), (key, report[key])
     for key in TIME_KEYS:
         values = report[key]
         assert isinstance(values, list) and len(values) == 1, (key, values)
@@ -63,5 +71,11 @@ def test_failover_bench_one_trial(tmp_path: Path) -> None:
     (first,), (last,) = report["reroute_seconds"], report["reroute_all_seconds"]
     assert first <= last
     assert isinstance(report["retried_microbatches"][0], int)
-    assert report["retried_microbatches"][0] >= report["trials"][0]["failed_microbatches"]
+    reroute = report["trials"][0]
+    assert report["retried_microbatches"][0] >= reroute["failed_microbatches"]
+    if reroute["failed_requests"]:  # the victim had work in flight when it died
+        assert "unreachable" in reroute["failure_kinds"], reroute["failures"]
+        assert report["sent_after_detection"] == [0], reroute["failures"]
+        (after,) = report["reroute_after_detection_s"]
+        assert after >= 0
     assert "failover" in proc.stdout and "agora audit: lost 0" in proc.stdout

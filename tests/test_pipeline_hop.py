@@ -144,29 +144,31 @@ def test_a_dead_replica_gets_no_micro_batch_after_its_first_transport_failure(
         assert rerouted["failures"] == 1
 
 
-def test_the_serve_gate_lets_retries_go_first_and_survives_a_cancelled_waiter() -> None:
-    gate = pipeline_hop.ServeGate()
+def test_the_worker_gate_orders_jobs_and_survives_a_cancelled_waiter() -> None:
+    gate = pipeline_hop.WorkerGate()
     order: list[str] = []
 
-    async def serve(name: str, first: bool, scope: trio.CancelScope | None = None) -> None:
+    async def job(name: str, priority: int, scope: trio.CancelScope | None = None) -> None:
         with scope or trio.CancelScope():
-            async with gate.turn(first=first):
+            async with gate.turn(priority):
                 order.append(name)
                 await trio.sleep(0)
 
     async def main() -> None:
         gone = trio.CancelScope()
+        jobs = [("fresh1", pipeline_hop.FRESH, None), ("gone", pipeline_hop.RETRIED, gone),
+                ("backward", pipeline_hop.BACKWARD, None), ("fresh2", pipeline_hop.FRESH, None),
+                ("retry", pipeline_hop.RETRIED, None)]  # fmt: skip
         async with trio.open_nursery() as nursery:
-            async with gate.turn(first=False):  # busy: everyone below waits, in this order
-                for name, first, scope in (("fresh1", False, None), ("gone", True, gone),
-                                           ("fresh2", False, None), ("retry", True, None)):  # fmt: skip
-                    nursery.start_soon(serve, name, first, scope)
+            async with gate.turn(pipeline_hop.FRESH):  # busy: the jobs below wait, in order
+                for name, priority, scope in jobs:
+                    nursery.start_soon(job, name, priority, scope)
                     await trio.testing.wait_all_tasks_blocked()
                 gone.cancel()  # a waiter that gives up leaves no turn stuck behind it
                 await trio.testing.wait_all_tasks_blocked()
-        assert order == ["retry", "fresh1", "fresh2"]
+        assert order == ["retry", "backward", "fresh1", "fresh2"]
         with trio.fail_after(5):
-            async with gate.turn(first=False):
+            async with gate.turn(pipeline_hop.FRESH):
                 pass
 
     trio.run(main)
