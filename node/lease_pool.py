@@ -44,8 +44,11 @@ stage's canonical lineage:
   replica's own lineage, which the group may later discard, so the round is held: a later
   applied group round on top of it (or being the only replica) commits it;
 - `adopted` (this replica replaced its state with another replica's, rebase or download):
-  every held round's training is gone from the state, so its windows go back. The
-  round's own contribution may still be in the adopted state (a group merged it).
+  a held round whose state (round, digest) is in the adopted state's chain (`lineage`)
+  is an ancestor of it, so its training is still there and it stays held (another
+  replica stepped on top of it); every other held round's training is gone from the
+  state, so its windows go back. The round's own contribution may still be in the
+  adopted state (a group merged it).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from dataclasses import dataclass
 
 from node.lease_progress import LeaseProgress
 from protocol.control import LeaseInfo, LeaseRef
+from protocol.lineage import Link
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,7 @@ class RoundFacts:
     sole: bool  # no other replica trains this stage
     round: int = -1  # outer round (outer steps) of the state held after the round
     digest: str = ""  # that state's digest (hex; "" = not known)
+    lineage: tuple[Link, ...] = ()  # that state's chain, ending with it (protocol.lineage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +125,8 @@ class LeasePool:
         self._trained: dict[int, dict[int, tuple[int, int]]] = {}
         self._gen = 0  # the round that carries windows trained now
         self._unresolved: int | None = None  # the round begun last, until its result
-        self._held: set[int] = set()  # rounds applied alone, not yet on the lineage
+        # rounds applied alone, not yet on the canonical lineage: gen -> the state they made
+        self._held: dict[int, Link] = {}
         self._lease_shard: dict[int, bytes] = {}  # lease id -> its shard's bytes
         self._fenced: set[int] = set()
         self._untaken: list[Window] = []
@@ -244,15 +250,17 @@ class LeasePool:
             raise ValueError(f"round {facts.mark.gen} is not the round in flight")
         self._unresolved = None
         back: set[int] = set()
-        if facts.adopted:  # the held rounds' lineage was abandoned
-            back |= self._held
-            self._held.clear()
+        if facts.adopted:  # held rounds that are not ancestors of the new state are gone
+            ancestors = set(facts.lineage)
+            back = {gen for gen, link in self._held.items() if link not in ancestors}
+            for gen in back:
+                del self._held[gen]
         if facts.contributed:
-            self._held.add(facts.mark.gen)
+            self._held[facts.mark.gen] = (facts.round, facts.digest)
         else:  # the merge dropped this round's training from the working copy
             back.add(facts.mark.gen)
         if facts.applied and (facts.merged or facts.sole):  # on the canonical lineage
-            self._resolve(self._held, keep=True)
+            self._resolve(set(self._held), keep=True)
             self._held.clear()
         returned = self._resolve(back, keep=False)
         return RoundVerdict(commits=self.commits(), returned=returned, held=len(self._held))
@@ -262,7 +270,7 @@ class LeasePool:
         the working copy keeps what it trained since its last round, which rides in the
         next round): every held round's training is gone from it, so their windows go
         back; returns them, as ranges."""
-        back, self._held = self._held, set()
+        back, self._held = set(self._held), {}
         return self._resolve(back, keep=False)
 
     def _resolve(self, gens: set[int], *, keep: bool) -> list[CommitRange]:

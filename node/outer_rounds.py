@@ -216,7 +216,9 @@ class OuterRounds:
     async def _tick(self) -> None:
         if self._in_flight is None:
             steps = self.compute.inner_steps - self._steps_at_last
-            if steps >= self.every_steps or (self._early and steps > 0):
+            # An early round starts even without a new inner step: a replica out of data
+            # whose trained work waits for a group round is then a groupmate to settle on.
+            if steps >= self.every_steps or self._early:
                 self._early = False
                 await self.begin()
             elif await self._groupmate_waiting(steps):
@@ -306,6 +308,7 @@ class OuterRounds:
             sole=self._sole_fn(),
             round=result.round,
             digest=result.digest,
+            lineage=tuple(result.lineage),
         )
         await self._on_round(await self.worker.run(self.capture), facts)
 

@@ -141,6 +141,28 @@ def test_a_lone_round_then_an_adopted_state_gives_the_lone_rounds_ranges_back() 
     assert spans(pool.round_result(facts(pool.snapshot())).commits) == [(0, 16)]
 
 
+def test_a_lone_round_stays_held_when_the_adopted_state_descends_from_it() -> None:
+    """Two replicas out of phase: this one steps alone, the other rebases on its state and
+    steps alone on top, and this one rebases on that: its lone round is in the adopted
+    state's chain, so its training is there; it is held, and a group round commits it."""
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    w0, w1, w2, w3 = pool.take(4)
+    pool.finish([w0, w1], final=False)
+    mine = RoundFacts(mark=pool.snapshot(), applied=True, contributed=True, adopted=False,
+                      merged=False, sole=False, round=8, digest="a8")  # fmt: skip
+    assert pool.round_result(mine).held == 1
+    pool.finish([w2, w3], final=False)
+    theirs = RoundFacts(
+        mark=pool.snapshot(), applied=True, contributed=True, adopted=True, merged=False,
+        sole=False, round=10, digest="b10", lineage=((7, "07"), (8, "a8"), (9, "b9"), (10, "b10")),
+    )  # fmt: skip
+    verdict = pool.round_result(theirs)
+    assert verdict.returned == [] and verdict.commits == [] and verdict.held == 2
+    pool.finish(pool.take(10), final=False)
+    assert spans(pool.round_result(facts(pool.snapshot())).commits) == [(0, 16)]
+
+
 def test_lone_rounds_commit_at_once_on_a_stage_with_one_replica() -> None:
     pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
     pool.open(lease(1, limit=16), SHARD)
@@ -274,14 +296,16 @@ class PoolMachine(RuleBasedStateMachine):
             f = self.results.get(r)
             if f is None:
                 continue
-            if r > gen and f.adopted:
-                return False
+            if r > gen and f.adopted and (first.round, first.digest) not in f.lineage:
+                return False  # the adopted state does not descend from round gen's
             if f.applied and (f.merged or f.sole):
                 return True
         return False
 
-    @rule(outcome=st.sampled_from(sorted(OUTCOMES)))
-    def outer_round(self, outcome: str) -> None:
+    @rule(outcome=st.sampled_from(sorted(OUTCOMES)), descends=st.booleans())
+    def outer_round(self, outcome: str, descends: bool) -> None:
+        """One round's result; an adopted state `descends` from every state this replica
+        made so far (another replica stepped on top of them) or from none of them."""
         result = outcome != "failed"
         applied, contributed, adopted, merged, sole = OUTCOMES[outcome]
         mark = self.pool.snapshot()
@@ -293,9 +317,11 @@ class PoolMachine(RuleBasedStateMachine):
             self.round += 1
             return
         self.round += 1
+        made = tuple((r.round, r.digest) for r in self.results.values())
         f = RoundFacts(
             mark=mark, applied=applied, contributed=contributed, adopted=adopted,
-            merged=merged, sole=sole,
+            merged=merged, sole=sole, round=self.round, digest=f"{self.round:x}",
+            lineage=made + ((self.round, f"{self.round:x}"),) if adopted and descends else (),
         )  # fmt: skip
         self.results[mark.gen] = f
         verdict = self.pool.round_result(f)
