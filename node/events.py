@@ -11,7 +11,8 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
   micro-batch that failed before completed through `peer` (stage 0)
 - `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
 - `round_applied`: `round`, `group_size`, `tokens`, `seconds`, `rebased`, `contributed`
-  (this replica's pseudo-gradient is in the new state with weight > 0)
+  (this replica's pseudo-gradient is in the new state with weight > 0), `joined_early`
+  (the round began before `every_steps` to join a replica that was forming a group)
 - `round_not_applied`: `round`, `group_size`, `seconds` (the state did not change)
 - `ranges_returned`: `lease_id`, `shard_id`, `start`, `end` (trained tokens that did not
   reach the stage's global state: the commit rule hands them back to be trained again)
