@@ -15,12 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+PRECISIONS = ("auto", "fp32", "bf16")  # the stage's compute precision (NodeConfig.precision)
+
 
 @dataclass(kw_only=True, slots=True)
 class NodeConfig:
     coordinator: str  # HOST:PORT of agora-coordinator
     stage: int | None = None  # None = let the coordinator place this node
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # auto (bf16 autocast on a GPU that has it, fp32 elsewhere) | fp32 | bf16; with bf16 the
+    # weights, gradients and AdamW state stay fp32 (autocast), only the matmuls run in bf16
+    precision: str = "auto"
+    recompute: bool = False  # recompute each block's activations in backward (less memory)
     identity: Path = Path("~/.config/agora/node.key")  # ed25519 seed file, created on first run
     listen: str = "/ip4/127.0.0.1/tcp/0"  # libp2p listen multiaddr (port 0 = OS-chosen)
     no_listen: bool = False  # outbound only: reachable through a relay (circuit relay v2)
@@ -74,6 +80,8 @@ class NodeConfig:
             raise ValueError(f"stage must be >= 0, got {self.stage}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         for name in (
             "micro_batch",
             "seq_len",

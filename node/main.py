@@ -40,6 +40,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage", default=None, help="pipeline stage: auto (default) or a number")
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda or cuda:N")
     p.add_argument(
+        "--precision", choices=("auto", "fp32", "bf16"), default=None,
+        help="compute precision: auto (default: bf16 autocast on a GPU that supports it, fp32"
+        " otherwise), fp32, or bf16 (weights, gradients and optimizer state stay fp32)",
+    )  # fmt: skip
+    p.add_argument(
+        "--recompute", action="store_true", default=None,
+        help="recompute each layer's activations during backward: less device memory for"
+        " about a third more compute",
+    )  # fmt: skip
+    p.add_argument(
         "--identity", type=Path, default=None,
         help="ed25519 key file, created on first run (default ~/.config/agora/node.key)",
     )  # fmt: skip
@@ -183,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                 "coordinator": args.coordinator,
                 "stage": stage,
                 "device": args.device,
+                "precision": args.precision,
+                "recompute": args.recompute,
                 "identity": args.identity,
                 "listen": args.listen,
                 "no_listen": args.no_listen,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from node.subspace import Subspace, derive_seed, make_subspace, project_
 
@@ -207,6 +208,8 @@ class Stage(nn.Module):
         self.layers = stage_layers(config.n_layers, stage, n_stages)
         self.is_first = stage == 0
         self.is_last = stage == n_stages - 1
+        # recompute each block's activations in backward instead of keeping them
+        self.recompute = False
         d = config.d_model
         if self.is_first:
             self.embed = nn.Embedding(config.vocab_size, d)
@@ -278,7 +281,10 @@ class Stage(nn.Module):
         if h.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence of {h.shape[1]} exceeds max_seq_len")
         for block in self.blocks.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            if self.recompute and self.training and torch.is_grad_enabled():
+                h = checkpoint(block, h, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                h = block(h, self.rope_cos, self.rope_sin)
         if not self.is_last:
             return h
         logits: torch.Tensor = self.head(self.norm(h))

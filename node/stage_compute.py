@@ -22,9 +22,11 @@ been processed; then one AdamW step runs and the subspace projection is re-appli
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +53,8 @@ class InnerConfig:
     # oversized blocks evict, and are recomputed at backward, instead of filling memory)
     cache_tokens: int = 1 << 16
     grad_clip: float = 1.0  # max global grad norm
+    precision: str = "fp32"  # fp32 | bf16 (autocast: matmuls in bf16, weights and grads fp32)
+    recompute: bool = False  # recompute each block's activations in backward
 
 
 class StageCompute:
@@ -63,8 +67,11 @@ class StageCompute:
         inner: InnerConfig,
         device: str = "cpu",
     ) -> None:
+        if inner.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {inner.precision!r}")
         self.device = torch.device(device)
         self.model = build_stage(model_cfg, stage, n_stages).to(self.device)
+        self.model.recompute = inner.recompute
         self.is_first, self.is_last = self.model.is_first, self.model.is_last
         sub = self.model.subspace
         d = model_cfg.d_model
@@ -85,6 +92,15 @@ class StageCompute:
         self.skipped_steps = 0  # inner steps skipped for a non-finite gradient norm
 
     # --- helpers ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def compute_precision(self) -> Iterator[None]:
+        """The stage's forward runs inside this: bf16 autocast, or nothing for fp32."""
+        if self.inner.precision == "bf16":
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
+                yield
+        else:
+            yield
 
     def _tokens(self, tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
@@ -118,14 +134,16 @@ class StageCompute:
         self.model.train()
         x = self._input(inputs, hidden)
         if self.is_last:
-            loss = self.model(x, targets)
+            with self.compute_precision():
+                loss = self.model(x, targets)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {loss.item()} on {mb_id}")
             loss.backward()
             grad = self._grad_in(x, inputs)
             self._finished(inputs.numel())
             return grad, float(loss.item())
-        out = self.model(x)
+        with self.compute_precision():
+            out = self.model(x)
         self._cache[mb_id] = (x if not self.is_first else None, out, self.weights_version)
         while self._cache and (
             len(self._cache) > self.inner.cache_size
@@ -157,8 +175,9 @@ class StageCompute:
                 x = cached[0].detach().requires_grad_(True)
             else:
                 x = self._input(inputs, hidden)
-            out = self.model(x)
-        torch.autograd.backward(out, g)
+            with self.compute_precision():
+                out = self.model(x)
+        torch.autograd.backward(out, g.to(out.dtype))
         self._finished(inputs.numel())
         return self._grad_in(x, inputs)
 
@@ -220,10 +239,24 @@ def throughput_probe(compute: StageCompute, micro_batch: int, seq_len: int) -> f
         if compute.is_first
         else torch.zeros(micro_batch, seq_len, d, device=compute.device, requires_grad=True)
     )
-    out = compute.model(x, targets) if compute.is_last else compute.model(x).pow(2).mean()
+    with compute.compute_precision():
+        out = (
+            compute.model(x, targets) if compute.is_last else compute.model(x).float().pow(2).mean()
+        )
     out.backward()
     compute.opt.zero_grad(set_to_none=True)
     return micro_batch * seq_len / max(time.perf_counter() - t0, 1e-6)
+
+
+def resolve_precision(requested: str, device: str) -> str:
+    """`auto` is bf16 on a CUDA device that supports it, fp32 elsewhere (bf16 autocast on a
+    CPU is slower than fp32)."""
+    if requested != "auto":
+        return requested
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
 
 
 def build_stage_compute(
@@ -239,6 +272,8 @@ def build_stage_compute(
         cache_size=cfg.activation_cache,
         # twice what this node's own micro-batches need
         cache_tokens=2 * cfg.activation_cache * cfg.micro_batch * cfg.seq_len,
+        precision=resolve_precision(cfg.precision, device),
+        recompute=cfg.recompute,
     )
     model_cfg = preset(run.model_preset).replace(seed=run.seed)
     compute = StageCompute(model_cfg, stage, run.n_stages, run.codec, inner, device)
