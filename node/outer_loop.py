@@ -7,7 +7,8 @@ to the run's canonical DHT (the member with the smallest peer id that announces 
 first):
 - before its first round, when the root is not the DHT it joined;
 - later, when it finds itself on a DHT of its own while other replicas of its stage
-  announce one: `LONE_ROUNDS_TO_MOVE` rounds in a row without a groupmate and the root
+  announce one: `LONE_ROUNDS_TO_MOVE` rounds in a row without a groupmate (nor a newer
+  state downloaded from its DHT, which shows another replica there) and the root
   is not the DHT it joined, or twice that many whatever it joined (the root itself, or
   a DHT that lost its bootstrap). Its lone rounds' commits wait for a group round
   (node.lease_pool), so a replica left on a DHT of its own would train and never commit.

@@ -70,7 +70,8 @@ class OuterRounds:
         self._steps_at_last = 0  # compute.inner_steps when the last round began
         self._tokens_at_last = 0  # compute.tokens_trained when the last round began
         self.rounds = 0  # rounds applied by this replica
-        self.lone_rounds = 0  # results in a row that found no groupmate (group of one)
+        # results in a row that found no other replica: no groupmate, no newer state
+        self.lone_rounds = 0
         # whether `load_state` took another replica's state (so this replica's own
         # lineage, and what it held, was replaced)
         self.loaded_from_replica = False
@@ -275,7 +276,9 @@ class OuterRounds:
         metrics.OUTER_ROUND_SECONDS.observe(time.monotonic() - self._round_started)
         metrics.OUTER_GROUP_SIZE.set(result.group_size)
         metrics.OUTER_BYTES.inc(result.bytes_out)
-        self.lone_rounds = self.lone_rounds + 1 if result.group_size <= 1 else 0
+        # A lone round that rebased found a newer replica on its DHT: not on its own there.
+        lone = result.group_size <= 1 and not result.rebased
+        self.lone_rounds = self.lone_rounds + 1 if lone else 0
         if result.applied:
             self.rounds += 1
             metrics.OUTER_STEPS.inc()

@@ -176,6 +176,34 @@ def test_frozen_replica_does_not_hold_the_other_and_is_rebased(
     print(f"frozen-peer bound {bound:.1f}s; A waited {ra.seconds:.2f}s", file=sys.stderr)
 
 
+def test_a_group_with_nothing_to_average_settles_on_the_canonical_state(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """Replicas out of data begin rounds with no tokens: nothing to average, but the group
+    still settles which state is the stage's. A (a lone round ahead) keeps its state and
+    reports the round applied by a group of 2, so its held lone rounds can commit; B ends
+    on A's state."""
+    run = uuid.uuid4().hex[:8]
+    a = start(links, child_env, run, [])
+    b = start(links, child_env, run, a.dht_addrs())
+    theta0 = params(0, 1.0)
+    a.set_initial_state(theta0)
+    assert b.fetch_state(timeout=15) == 0
+    a.begin_round([p * 0.99 for p in theta0], 100)  # B is in no round: A steps alone
+    ra = a.wait_result(30)
+    assert ra.applied and ra.group_size == 1 and ra.round == 1
+    for _ in range(3):  # a group forms when both matchmake at once
+        a.begin_round([a.theta_g().clone()], 0)
+        b.begin_round([b.theta_g().clone()], 0)
+        ra2, rb2 = a.wait_result(30), b.wait_result(30)
+        if ra2.group_size == 2:
+            break
+    assert ra2.group_size == 2 and ra2.applied and not ra2.contributed, ra2
+    assert ra2.round == 1 and ra2.digest == ra.digest  # A kept its state
+    assert rb2.applied and rb2.rebased and rb2.digest == ra.digest, rb2  # B took it
+    assert torch.equal(a.theta_g(), b.theta_g())
+
+
 def test_the_stage_side_never_loaded_hivemind() -> None:
     assert "hivemind" not in sys.modules
 

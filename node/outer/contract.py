@@ -303,7 +303,9 @@ class RoundResult:
 
     OP: ClassVar[str] = "result"
     round: int  # outer steps in the global state after this round
-    applied: bool  # whether this replica's global state changed
+    # whether this replica's global state changed, or a group with nothing to average
+    # settled on this replica's state as the stage's
+    applied: bool
     # whether this replica's pseudo-gradient is in the state now held with a weight above
     # zero: a step alone that applied, or a group round that weighted it and whose result
     # this replica holds (stepped or adopted)

@@ -7,7 +7,9 @@ reply; tensors travel through the three shared /dev/shm buffers the link created
 A round: compute `delta = theta_g - snapshot`; rebase first if the DHT shows a replica
 further ahead; all-gather with whoever forms a group before `matchmaking_s` (alone
 otherwise); apply elastic Nesterov when this replica holds the group's canonical state,
-or adopt the state of a canonical groupmate when it does not. Replicas stay bitwise
+or adopt the state of a canonical groupmate when it does not. A group with nothing to
+average (no contribution had tokens) still settles the canonical state: its holder keeps
+it, the others adopt it. Replicas stay bitwise
 identical because each decodes the same compressed bytes in the same order.
 """
 
@@ -289,7 +291,15 @@ class OuterProcess:
             log.info("no group this round (%r); stepping alone", exc)
             info = None
         bytes_out, bytes_in, rejected = 0, 0, {}
-        if not isinstance(info, dict) or not info.get("has_delta"):
+        if isinstance(info, dict) and not info.get("has_delta") and len(info["gathered"]) > 1:
+            # A group formed but had nothing to average (no tokens anywhere, e.g. replicas
+            # out of data whose trained work waits for a group round): it still settles
+            # which state is the stage's.
+            rejected = {str(k): str(v) for k, v in info["rejected"].items()}
+            applied, rnd, size, rebased_now = self.settle_group_round(info)
+            rebased = rebased or rebased_now
+            eta_r, used, contributed = 0.0, 0, False
+        elif not isinstance(info, dict) or not info.get("has_delta"):
             applied, rnd, eta_r, used, size = self.step_alone(delta, tokens, base.round, ref_norm)
             contributed = applied
         else:
@@ -335,14 +345,33 @@ class OuterProcess:
         contributors: list[str] = info["contributors"]
         return float(info["weights"][contributors.index(me)]) if me in contributors else 0.0
 
+    @staticmethod
+    def canonical(info: dict[str, Any]) -> tuple[int, str]:
+        """The group's canonical (round, digest): the newest round, the most common digest
+        there (ties: the smallest)."""
+        gathered: dict[str, dict[str, Any]] = info["gathered"]
+        head = max(int(g["round"]) for g in gathered.values())
+        at_head = [g["digest"] for g in gathered.values() if int(g["round"]) == head]
+        return head, min(set(at_head), key=lambda dg: (-at_head.count(dg), dg))
+
+    def settle_group_round(self, info: dict[str, Any]) -> tuple[bool, int, int, bool]:
+        """A group with nothing to average: the holder of its canonical state keeps it (the
+        group settled on it: `applied`, though the state is unchanged), the others adopt
+        it. Returns (applied, round, group size, adopted)."""
+        head, canonical = self.canonical(info)
+        st = self.state
+        assert st is not None
+        size = len(info["gathered"])
+        if st.round == head and self.digest == canonical:
+            return True, st.round, size, False
+        ok = self.download(self.cfg.state_timeout_s, min_round=head - 1)
+        return ok, self.state.round if self.state else -1, size, ok
+
     def finish_group_round(
         self, info: dict[str, Any], d: torch.Tensor
     ) -> tuple[bool, int, float, int, int, bool]:
         """Step when holding the group's canonical (round, digest); adopt it otherwise."""
-        gathered: dict[str, dict[str, Any]] = info["gathered"]
-        head = max(int(g["round"]) for g in gathered.values())
-        at_head = [g["digest"] for g in gathered.values() if int(g["round"]) == head]
-        canonical = min(set(at_head), key=lambda dg: (-at_head.count(dg), dg))
+        head, canonical = self.canonical(info)
         st = self.state
         assert st is not None
         tokens = int(info["tokens"])
