@@ -3,7 +3,7 @@
 `LocalSwarm` owns a work directory and everything in it: the run config (`run.toml`),
 the coordinator's database, and per process a log (`NAME.log`), an identity
 (`NAME.key`) and, for nodes, the structured event file (`NAME.events.jsonl`, read with
-`events`). Every process is a fresh interpreter; ports are chosen by the OS. Nodes serve
+`events`) and, with `checkpoints`, the stage checkpoints (`checkpoints/NAME/`). Every process is a fresh interpreter; ports are chosen by the OS. Nodes serve
 Prometheus metrics, which is where the swarm reads loss and tokens from, as an operator
 would. Used by `agora demo`, `agora chaos`, the multi-process tests and the benchmarks.
 """
@@ -46,6 +46,7 @@ class LocalSwarm:
     coordinator_args: list[str] = field(default_factory=list)  # extra agora-coordinator flags
     node_args: list[str] = field(default_factory=list)  # extra agora-node flags
     metrics: bool = False  # the coordinator serves Prometheus (`coordinator.metrics_port`)
+    checkpoints: bool = False  # each node writes stage checkpoints to `checkpoint_root/NAME`
     coordinator: CoordinatorProc | None = None
     nodes: dict[str, Proc] = field(default_factory=dict)
     address: str = ""  # HOST:PORT of the coordinator
@@ -55,6 +56,11 @@ class LocalSwarm:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.db = self.workdir / "coordinator.sqlite"
         self._port = 0
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """With `checkpoints`: node NAME's `--checkpoint-dir` is `checkpoint_root/NAME`."""
+        return self.workdir / "checkpoints"
 
     def write_run_config(self) -> Path:
         """`run.toml`: the swarm's preset, stages and codec, fast heartbeats and leases,
@@ -92,7 +98,8 @@ class LocalSwarm:
 
     def add_node(self, name: str, stage: int | None = None, *extra: str) -> Proc:
         """Start `agora-node NAME` against the coordinator, with its identity, metrics
-        port and event file in the work directory."""
+        port and event file in the work directory (and, with `checkpoints`, its checkpoint
+        directory)."""
         metrics_port = free_port()
         args = [
             "-m", "node.main",
@@ -101,6 +108,7 @@ class LocalSwarm:
             "--metrics-port", str(metrics_port),
             "--events", str(self.events_path(name)),
             *(["--stage", str(stage)] if stage is not None else []),
+            *(["--checkpoint-dir", str(self.checkpoint_root / name)] if self.checkpoints else []),
             *self.node_args, *extra,
         ]  # fmt: skip
         log = self.workdir / f"{name}.log"

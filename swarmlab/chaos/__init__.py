@@ -23,8 +23,12 @@ window, so the last part shows recovery. Kinds:
 Victims are drawn with the seeded generator among nodes that have trained and whose
 stage keeps another healthy replica (so the run measures recovery, not a dead stage);
 a fault with no eligible victim is counted as skipped. Then every node is drained
-(SIGINT), the coordinator stopped, and `agora audit` replays the lease log. The same
-seed without faults gives the comparison loss (`--baseline sequential|concurrent|none`).
+(SIGINT), the coordinator stopped, and `agora audit` replays the lease log. The nodes
+write stage checkpoints after every applied outer round and at their drain; the model
+the live nodes drained to is exported and its held-out loss evaluated (`heldout`). The
+same seed without faults (`--baseline sequential|concurrent|none`) keeps every stage
+state its nodes checkpoint, so its model at the chaos run's committed-token count is
+evaluated on the same held-out set: the comparison at equal committed tokens.
 
 With `--hostile` the schedule plays hostile attacks instead of faults (`hostile`): bad
 addresses, msgpack amplification, connection floods and slow drips, stranger lease
@@ -33,7 +37,9 @@ sockets), a member answering with poisoned gradients and one sending oversized f
 (libp2p), while a probe times heartbeats and reads the committed tokens.
 
 Modules: `schedule` (config, kinds, `plan`), `faults` (the injectors), `run` (one swarm
-under one schedule, sampling, the per-run report), `main` (both runs, the command line),
+under one schedule, sampling, the per-run report), `heldout` (kept states, models over
+time, their committed tokens, the held-out evaluation), `main` (both runs, the held-out
+comparison, the command line),
 `rogue` (the rogue peer process), `hostile` (the hostile run and its judgement),
 `raw_attacks` and `member_attacks` (the hostile attackers), `control_wire` (a blocking
 control-plane connection).

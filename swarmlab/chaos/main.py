@@ -6,11 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+from swarmlab.chaos.heldout import (
+    TOKENS_TOLERANCE,
+    HeldOut,
+    bracket,
+    interpolate,
+    relative_gap,
+)
 from swarmlab.chaos.hostile import HostileRun, hostile_plan
 from swarmlab.chaos.run import Run
 from swarmlab.chaos.schedule import ChaosConfig, plan
@@ -26,9 +34,19 @@ def chaos(cfg: ChaosConfig) -> dict[str, Any]:
         faulty: Run = HostileRun(cfg, "hostile", hostile_plan(cfg.seed, window, cfg))
     else:
         faulty = Run(cfg, "chaos", plan(cfg.seed, window, cfg))
+    calm = Run(cfg, "fault_free", [], keep_states=True) if cfg.baseline != "none" else None
     report: dict[str, Any]
-    if cfg.baseline == "concurrent":
-        calm = Run(cfg, "fault_free", [])
+    base: dict[str, Any] | None = None
+    target = 0  # the chaos run's committed tokens, once known (sequential)
+    if calm is not None and cfg.measures_model:
+        # The fault-free run's models are kept, so training on past the window only adds
+        # models; it must reach the chaos run's committed tokens, which grow until the
+        # chaos run drains (its end waits for late joiners first).
+        if cfg.baseline == "concurrent":
+            calm.keep_going = lambda run: not faulty.draining.is_set()
+        else:
+            calm.keep_going = lambda run: (run.committed_now() or 0) < target
+    if calm is not None and cfg.baseline == "concurrent":
         box: dict[str, Any] = {}
 
         def run_calm() -> None:
@@ -45,7 +63,8 @@ def chaos(cfg: ChaosConfig) -> dict[str, Any]:
         base = box.get("result")
     else:
         report = faulty.run()
-        base = Run(cfg, "fault_free", []).run() if cfg.baseline == "sequential" else None
+        target = int(report["committed_tokens"])
+        base = calm.run() if calm is not None else None
     report["seed"] = cfg.seed
     report["minutes"] = cfg.minutes
     report["preset"] = cfg.preset
@@ -55,21 +74,111 @@ def chaos(cfg: ChaosConfig) -> dict[str, Any]:
         report["fault_free"] = {
             k: base[k]
             for k in ("lost_ranges", "duplicated_ranges", "committed_tokens", "final_loss",
-                      "loss_curve", "max_rss_mb", "rss_peak_mb", "crashed")
+                      "loss_curve", "max_rss_mb", "rss_peak_mb", "crashed",
+                      "trained_twice_tokens", "stage0_commits", "model_states",
+                      "trained_past_window_s")
+            if k in base
         }  # fmt: skip
         if report["final_loss"] and base["final_loss"]:
             report["final_loss_ratio"] = round(report["final_loss"] / base["final_loss"], 4)
+    if cfg.measures_model:
+        report.update(compare_heldout(faulty, calm if base else None, report["committed_tokens"]))
     return report
+
+
+def compare_heldout(faulty: Run, calm: Run | None, tokens: int) -> dict[str, Any]:
+    """The chaos run's exported model against the fault-free run's at equal committed
+    tokens: the fault-free models kept on either side of the chaos run's committed
+    tokens are exported and evaluated on the same held-out set; the nearer one is the
+    comparison, the line through both the interpolated figure."""
+    out: dict[str, Any] = {
+        "tokens_committed": tokens,
+        "heldout_loss": None,
+        "heldout_loss_fault_free": None,
+        "tokens_committed_fault_free": None,
+        "heldout_loss_ratio": None,
+    }
+    held = HeldOut()
+    errors = []
+    if faulty.final_point is None:
+        errors.append("the chaos run left no stage checkpoint of every stage")
+    else:
+        try:
+            out["heldout_loss"] = round(
+                held.evaluate(faulty.final_point, faulty.workdir / "model"), 4
+            )
+        except Exception as exc:  # a model that cannot be assembled is a finding
+            log.exception("chaos model evaluation failed")
+            errors.append(f"chaos model: {type(exc).__name__}: {exc}")
+    if calm is not None:
+        near = bracket(calm.points, tokens)
+        if not near:
+            errors.append("the fault-free run kept no model of every stage")
+        evaluated: list[dict[str, Any]] = []
+        for i, p in enumerate(near):
+            try:
+                loss = held.evaluate(p, calm.workdir / f"model_at_{p.committed}")
+            except Exception as exc:
+                log.exception("fault-free model evaluation failed")
+                errors.append(f"fault-free model at {p.committed}: {type(exc).__name__}: {exc}")
+                continue
+            evaluated.append({
+                "tokens_committed": p.committed, "tokens_on_lineage": p.on_chain,
+                "rounds": p.rounds, "heldout_loss": round(loss, 4), "nearest": i == 0,
+            })  # fmt: skip
+        out["fault_free_points"] = evaluated
+        if evaluated and evaluated[0]["nearest"]:
+            first = evaluated[0]
+            out["heldout_loss_fault_free"] = first["heldout_loss"]
+            out["tokens_committed_fault_free"] = first["tokens_committed"]
+            out["tokens_on_lineage_fault_free"] = first["tokens_on_lineage"]
+            out["model_rounds_fault_free"] = first["rounds"]
+            gap = relative_gap(first["tokens_committed"], tokens)
+            out["tokens_gap"] = None if gap is None else round(gap, 4)
+            out["tokens_within_tolerance"] = gap is not None and abs(gap) <= TOKENS_TOLERANCE
+        if len(evaluated) == 2:
+            a, b = ((e["tokens_committed"], e["heldout_loss"]) for e in evaluated)
+            out["heldout_loss_fault_free_interpolated"] = round(interpolate(a, b, tokens), 4)
+        last = calm.points[-1] if calm.points else None
+        if last is not None:
+            try:
+                loss = held.evaluate(last, calm.workdir / "model")
+                out["heldout_loss_fault_free_final"] = round(loss, 4)
+                out["tokens_committed_fault_free_final"] = last.committed
+            except Exception as exc:
+                log.exception("fault-free final model evaluation failed")
+                errors.append(f"fault-free final model: {type(exc).__name__}: {exc}")
+        if calm.snapshots is not None:  # the kept states are not needed past this point
+            shutil.rmtree(calm.snapshots.into, ignore_errors=True)
+    if out["heldout_loss"] and out["heldout_loss_fault_free"]:
+        out["heldout_loss_ratio"] = round(out["heldout_loss"] / out["heldout_loss_fault_free"], 4)
+    out["tokens_tolerance"] = TOKENS_TOLERANCE
+    out["heldout"] = held.describe()
+    out["heldout_errors"] = errors
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="agora chaos",
+        epilog="The report (--json) gives lost_ranges, duplicated_ranges,"
+        " trained_twice_tokens (agora audit), heldout_loss and tokens_committed (the chaos"
+        " model), heldout_loss_fault_free and tokens_committed_fault_free (the fault-free"
+        " model nearest in committed tokens; tokens_gap is their relative difference,"
+        f" within {TOKENS_TOLERANCE:.0%} counts as equal), heldout_loss_ratio,"
+        " heldout_loss_fault_free_interpolated (between the two models either side), and"
+        " tokens_on_lineage (committed tokens whose outer round is on the exported stage-0"
+        " state's lineage). final_loss is the median training loss stage 0 reports over the"
+        " last 10% of the window, at whatever tokens each run reached: not a comparison.",
         description="Run a local swarm (coordinator, 2 stages x 2 replicas) under a seeded"
         " schedule of faults: node SIGKILLs with replacements, SIGSTOP zombies, coordinator"
         " SIGKILL+restart, streams cut mid-message, a rogue peer, joins mid outer round. Then"
-        " drain, audit, and compare the loss with a fault-free run of the same seed. Exit 0"
-        " iff no range is lost or duplicated and no honest process crashed. With --hostile,"
+        " drain, audit, export the model the nodes drained to (theta_g of each stage's last"
+        " outer round, from their checkpoints) and evaluate its held-out loss against the"
+        " fault-free run of the same seed at equal committed tokens (the fault-free run"
+        " keeps every stage state it checkpoints; the models either side of the chaos"
+        " run's committed tokens are evaluated). Exit 0 iff no range is lost or duplicated"
+        " and no honest process crashed. With --hostile,"
         " real rogue processes and raw sockets play hostile attacks instead (bad addresses,"
         " msgpack amplification, connection floods, slow drips, poisoned gradients, stranger"
         " lease calls, oversized forwards, forged facility reports, key floods and replays,"
@@ -131,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2))
     print(
         f"faults {report['faults']}; lost {report['lost_ranges']}, duplicated"
-        f" {report['duplicated_ranges']} ranges; final loss {report['final_loss']}"
-        f" (fault-free {report['final_loss_fault_free']}); max RSS {report['max_rss_mb']} MB;"
+        f" {report['duplicated_ranges']} ranges; trained twice"
+        f" {report.get('trained_twice_tokens')} tokens; {heldout_line(report)};"
+        f" max RSS {report['max_rss_mb']} MB;"
         f" crashed {sorted(report['crashed']) or 'none'}"
     )
     if cfg.hostile:
@@ -145,6 +255,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report["ok"] else 1
     ok = not report["lost_ranges"] and not report["duplicated_ranges"] and not report["crashed"]
     return 0 if ok else 1
+
+
+def heldout_line(report: dict[str, Any]) -> str:
+    """The held-out comparison in one phrase, for the summary line."""
+    if "heldout_loss" not in report:
+        return f"final training loss {report['final_loss']} (no model measured)"
+    text = f"held-out loss {report['heldout_loss']} at {report['tokens_committed']} tokens"
+    if report.get("heldout_loss_fault_free") is not None:
+        text += (
+            f" vs fault-free {report['heldout_loss_fault_free']} at"
+            f" {report['tokens_committed_fault_free']} (ratio {report['heldout_loss_ratio']},"
+            f" tokens gap {report['tokens_gap']:+.1%})"
+        )
+    if report.get("heldout_errors"):
+        text += f" [{'; '.join(report['heldout_errors'])}]"
+    return text
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """One swarm of `agora chaos` under one schedule: `Run` starts the swarm, samples loss,
 peak RSS and liveness while the faults are injected, then drains, audits and reports.
 `joins_during_rounds` reads the nodes' event files to tell whether each join landed
-inside an outer round."""
+inside an outer round. A run that measures its model (`ChaosConfig.measures_model`) ends
+with the whole model its live nodes drained to (`final_point`) and, with `keep_states`,
+every model it held on the way (`points`), each with its committed tokens
+(swarmlab.chaos.heldout); `swarmlab.chaos.main` evaluates them."""
 
 from __future__ import annotations
 
@@ -14,13 +17,23 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from coordinator.store import read_audit
 from node.events import read_events
 from swarmlab.chaos.faults import children, inject, signal_quietly
+from swarmlab.chaos.heldout import (
+    ModelPoint,
+    Snapshots,
+    commits_of,
+    current_states,
+    model_points,
+    with_tokens,
+)
 from swarmlab.chaos.schedule import ChaosConfig, Fault
 from swarmlab.chaos.target import Target
 from swarmlab.swarm import EVENTS_SUFFIX
@@ -33,9 +46,25 @@ SAMPLE_S = 3.0  # seconds between loss / RSS / liveness samples
 class Run(Target):
     """One swarm under one schedule (empty for the fault-free run)."""
 
-    def __init__(self, cfg: ChaosConfig, name: str, faults: list[Fault]) -> None:
+    def __init__(
+        self, cfg: ChaosConfig, name: str, faults: list[Fault], *, keep_states: bool = False
+    ) -> None:
         super().__init__(cfg, name)
         self.faults = faults
+        # every stage state the nodes checkpoint, kept as it appears (the fault-free run's
+        # models at any committed-token count)
+        self.snapshots = (
+            Snapshots(self.swarm.checkpoint_root, self.workdir / "states")
+            if keep_states and cfg.measures_model
+            else None
+        )
+        self.points: list[ModelPoint] = []  # the kept models, with their committed tokens
+        # Past the window the run trains on while this says so (the fault-free run, until
+        # the chaos run drains or its committed tokens are reached), within `extend_s`.
+        self.keep_going: Callable[[Run], bool] | None = None
+        self.extended_s = 0.0  # seconds trained past the window
+        self.draining = threading.Event()  # set when the final drain starts (or the run ends)
+        self.final_point: ModelPoint | None = None  # the model the live nodes drained to
         self.rng = random.Random(f"{cfg.seed}-{name}-victims")
         self.crashed: dict[str, str] = {}  # name -> why (exit code, log tail)
         self.rogue_results: list[dict[str, Any]] = []
@@ -112,6 +141,8 @@ class Run(Target):
             try:
                 self._sample_rss()
                 self._check_liveness()
+                if self.snapshots is not None:
+                    self.snapshots.poll()
                 if self.t0 and self.now() >= 0:
                     self._sample_loss()
             except Exception:  # a sampling hiccup must not end the run
@@ -154,10 +185,12 @@ class Run(Target):
                 self._threads.append(t)
             while self.now() < window:
                 time.sleep(min(1.0, window - self.now()))
+            self._extend(window)
             for t in self._threads[1:]:
                 t.join(timeout=120)
             return self.finish()
         finally:
+            self.draining.set()
             self._stop_sampling.set()
             for pid in self._all_pids():
                 signal_quietly(pid, signal.SIGCONT)
@@ -166,9 +199,52 @@ class Run(Target):
                     popen.kill()
             self.swarm.kill_all()
 
+    def _extend(self, window: float) -> None:
+        """Train on past the window while `keep_going` says so, at most `extend_s` more."""
+        if self.keep_going is None:
+            return
+        deadline = window + self.extend_s
+        while self.now() < deadline and self.keep_going(self):
+            time.sleep(2.0)
+        self.extended_s = round(max(0.0, self.now() - window), 1)
+        self.note("trained_past_window", seconds=self.extended_s)
+
+    @property
+    def extend_s(self) -> float:
+        """The most a run trains past its window: another window plus the time a chaos
+        run's end may take (late joiners starting, then the drain)."""
+        return self.cfg.minutes * 60 + self.cfg.start_timeout_s + self.cfg.stop_timeout_s
+
+    def committed_now(self) -> int | None:
+        """The coordinator's committed tokens now; None when it does not answer."""
+        try:
+            return int(self.swarm.status(timeout_s=3).committed_tokens)
+        except Exception:
+            return None
+
     def inject(self, f: Fault) -> None:
         """Inject one scheduled fault (on its own thread)."""
         inject(self, f)
+
+    def _final_model(self, live: set[str]) -> dict[str, Any]:
+        """After the drain: the model of the nodes that were live at the end (each wrote
+        its stage's state at its drain), else of every node that ever checkpointed; and,
+        with `keep_states`, the kept models. Each with its committed tokens."""
+        commits = commits_of(read_audit(self.swarm.db))
+        root = self.swarm.checkpoint_root
+        final = model_points(current_states(root, live)) or model_points(current_states(root))
+        self.final_point = with_tokens(final[-1:], commits)[0] if final else None
+        if self.snapshots is not None:
+            self.snapshots.poll()
+            self.points = with_tokens(model_points(self.snapshots.states), commits)
+        p = self.final_point
+        return {
+            "model_rounds": p.rounds if p else None,
+            "model_states": len(self.points),
+            "tokens_on_lineage": p.on_chain if p else None,
+            "stage0_commits": len(commits),
+            "stage0_commit_rounds": len({c.link for c in commits if c.link[0] >= 0}),
+        }
 
     def _all_pids(self) -> list[int]:
         pids = [p.popen.pid for p in self.swarm.nodes.values() if p.alive()]
@@ -202,6 +278,7 @@ class Run(Target):
         self._stop_sampling.set()
         with self.lock:
             live = {n for n, p in self.swarm.nodes.items() if p.alive()}
+        self.draining.set()
         codes = self.swarm.stop(self.cfg.stop_timeout_s)
         for name, code in codes.items():
             if name in live or name == "coordinator":
@@ -210,6 +287,7 @@ class Run(Target):
                     tail = proc.tail(15) if proc else ""
                     self.crashed.setdefault(name, f"stop exit {code}: {tail}")
         audit = self.swarm.audit(self.workdir / "audit.json").summary()
+        model = self._final_model(live) if self.cfg.measures_model else {}
         joiners = [e["node"] for e in self.events if e["kind"] == "join_mid_round"]
         joins = joins_during_rounds(self.workdir, joiners)
         loss_tail = [p["loss"] for p in self.curve if p["t_s"] >= self.cfg.minutes * 60 * 0.9]
@@ -229,6 +307,9 @@ class Run(Target):
             "lost_ranges": audit["lost_ranges"],
             "duplicated_ranges": audit["duplicated_ranges"],
             "committed_tokens": audit["committed_tokens"],
+            "trained_twice_tokens": audit["trained_twice_tokens"],
+            "trained_past_window_s": self.extended_s,
+            **model,
             "final_loss": round(statistics.median(loss_tail), 4) if loss_tail else None,
             "loss_curve": self.curve,
             "rss_peak_mb": {k: round(v, 1) for k, v in sorted(self.rss_peak.items())},

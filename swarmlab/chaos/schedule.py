@@ -38,6 +38,12 @@ class ChaosConfig:
         if self.outer_every_steps < 0:
             raise ValueError("outer_every_steps must be >= 0")
 
+    @property
+    def measures_model(self) -> bool:
+        """Whether the run exports its model and evaluates its held-out loss: crash runs
+        with outer rounds (nodes checkpoint theta_g after each applied round)."""
+        return not self.hostile and self.outer_every_steps > 0
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Fault:

@@ -31,6 +31,9 @@ class Target:
             stages=2,
             run_config={"lease_ttl_s": LEASE_TTL_S},  # zombies are held past it
             node_args=["--outer-every-steps", str(cfg.outer_every_steps)],
+            # the model is measured from its checkpoints (swarmlab.chaos.heldout); only
+            # outer rounds write them
+            checkpoints=cfg.measures_model,
         )
         self.lock = threading.RLock()
         self.coordinator_busy = threading.Lock()  # held during a coordinator kill+restart
