@@ -23,8 +23,9 @@ node is replaced by a fresh node on its stage, which must train before the next 
    routed to it while the other replica is up, until the membership shows it alive again
    (it never does: it is dead, and the coordinator drops it after its peer TTL). The
    micro-batch is retried at once through the survivor (the 0.5 s back-off applies only
-   once every usable peer failed it), and stage 0 writes `forward_rerouted` when it
-   completes. `reroute_seconds` is kill -> the first such completion,
+   once every usable peer failed it) with `Forward.retry`, which the survivor computes
+   before its fresh forwards (and stage 0 runs its backward before its own new
+   forwards), and stage 0 writes `forward_rerouted` when it completes. `reroute_seconds` is kill -> the first such completion,
    `reroute_all_seconds` the last, `reroute_after_detection_s` the first completion
    after the node's detection (the goal: under 1 s). `sent_after_detection` counts the
    requests a stage-0 node sent to the victim after its own first transport failure
@@ -33,6 +34,9 @@ node is replaced by a fresh node on its stage, which must train before the next 
    log's `commit` record covering the first re-routed micro-batch; a commit covers a
    range only once every earlier window of its lease is trained too, and windows are
    drawn at random across 8 open leases, so it measures the commit rule, not routing.
+   `microbatch_seconds_before_kill` is stage 0's mean micro-batch round trip before the
+   kill (`agora_node_microbatch_seconds`): the re-routed micro-batch needs about one
+   such round trip, so on a loaded box it, not the routing, bounds the re-route.
    `retried_microbatches` is the rise of stage 0's `agora_node_microbatches_total
    {result="retried"}` (Prometheus) from just before the kill to after the coordinator
    dropped the victim from the membership and the stage-0 nodes refreshed their view.
@@ -154,6 +158,11 @@ def build_report(args: argparse.Namespace, workdir: Path, got: dict[str, Any]) -
     reroutes = [t for t in trials if t["kind"] == "reroute"]
     out["retried_microbatches"] = [t["retried_microbatches"] for t in reroutes]
     out["sent_after_detection"] = [t["sent_after_detection"] for t in reroutes]
+    out["microbatch_seconds_before_kill"] = [
+        round(t["microbatch_seconds_before_kill"], 3)
+        for t in reroutes
+        if t.get("microbatch_seconds_before_kill") is not None
+    ]
     out["regranted_to"] = [t["regranted_to"] for t in trials if t["kind"] == "lease"]
     out["idle_replacements"] = got["idle_replacements"]
     out["lost_ranges"] = got["audit"]["lost_ranges"]

@@ -180,15 +180,21 @@ class Bench:
             self.idle_replacements.append(fresh)
             self.say(f"WARNING: replacement {fresh} got no work in time ({exc})")
 
-    def retried(self, names: list[str]) -> float:
-        """Stage 0's retried micro-batches (Prometheus); a busy node may miss one scrape."""
-        key = 'agora_node_microbatches_total{result="retried"}'
-        total = 0.0
+    def counters(self, names: list[str]) -> dict[str, float]:
+        """Stage 0's retried micro-batches and its micro-batch round trips (sum and count
+        of seconds), summed over `names` (Prometheus); a busy node may miss one scrape."""
+        keys = {
+            "retried": 'agora_node_microbatches_total{result="retried"}',
+            "rtt_sum": "agora_node_microbatch_seconds_sum",
+            "rtt_count": "agora_node_microbatch_seconds_count",
+        }
+        total = dict.fromkeys(keys, 0.0)
         for n in names:
             for _ in range(5):
                 got = self.swarm.scrape(n, timeout_s=5.0)
                 if got:
-                    total += got.get(key, 0.0)
+                    for name, key in keys.items():
+                        total[name] += got.get(key, 0.0)
                     break
             else:
                 raise TimeoutError(f"cannot scrape the metrics of {n}")
@@ -246,7 +252,7 @@ class Bench:
         victim, survivor = self.names[1][0], self.names[1][1]
         stage0 = list(self.names[0])
         vid = self.peer_id(victim)
-        before = self.retried(stage0)
+        before = self.counters(stage0)
         members = len(self.names[1])  # stage-1 peers the coordinator lists before the kill
         t_kill = self.kill(victim)
         self.say(f"re-route: SIGKILLed stage-1 {victim}; {survivor} survives")
@@ -280,7 +286,7 @@ class Bench:
                 if all(f["done_t"] is not None for f in fails):
                     break
             time.sleep(POLL_S)
-        retried = self.retried(stage0) - before
+        retried = self.counters(stage0)["retried"] - before["retried"]
         first_after = None
         if not fails:  # nothing was in flight to the victim nor sent to it before it lapsed
             first_after = min(
@@ -307,6 +313,10 @@ class Bench:
             ),
             "victim_dropped_seconds": (lapsed - t_kill) if lapsed is not None else None,
             "retried_microbatches": int(retried),
+            # the load: a micro-batch's mean round trip through stage 1 before the kill
+            "microbatch_seconds_before_kill": before["rtt_sum"] / before["rtt_count"]
+            if before["rtt_count"]
+            else None,
             "failed_requests": len(fails),
             "failed_microbatches": len({(f["node"], f["mb_id"]) for f in fails}),
             "failure_kinds": sorted({f["kind"] for f in fails}),

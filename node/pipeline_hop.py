@@ -59,6 +59,12 @@ RETRY_WAIT_MAX_S = 8.0  # seconds, the longest retry back-off
 RETRIED, BACKWARD, FRESH = 0, 1, 2  # WorkerGate priorities, most urgent first
 
 
+class StageNotBuilt(Exception):
+    """A forward's deadline passed while this stage was still being built (a cold joiner):
+    the sender gets `Refused(reason="internal")`, which bans this node briefly, and
+    neither bans the sender nor makes this node look dead."""
+
+
 class WorkerGate:
     """The pipeline's torch jobs take the worker one at a time, in priority order
     (`RETRIED` work, then `BACKWARD`s, then `FRESH` forwards), each priority in arrival
@@ -285,7 +291,9 @@ class PipelineHop:
         with trio.move_on_after(max(0.0, msg.deadline - time.time())):
             await self.built.wait()  # a forward that arrived while the stage was built
         compute = self.compute
-        if compute is None or compute.is_first:
+        if compute is None:  # our fault, not the sender's: refused, never banned
+            raise StageNotBuilt("this stage is still being built; try another replica")
+        if compute.is_first:
             raise ProtocolError("this peer serves stage 0, which takes no forward input")
         sender = self.peers.members.get(peer_id)
         if sender is None or sender.observer or sender.stage != self.peers.stage - 1:

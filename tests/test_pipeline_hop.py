@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -252,6 +253,26 @@ def test_serving_refuses_non_members_and_bans_bad_shapes(tmp_path: Path) -> None
 
         trio.run(main)
         assert s.served("a") == 0
+
+
+def test_a_replica_still_building_refuses_and_is_not_taken_for_dead(tmp_path: Path) -> None:
+    """A forward whose deadline passes while the stage is built is refused as the
+    receiver's own fault: the sender sees `Refused`, a lapsing ban, not a dead peer."""
+    layout = [("s0", 0), ("a", 1)]
+    with swarm(layout, FaultPlan(), tmp_path / "events.jsonl") as s:
+        sender, a = s.hops["s0"], s.hops["a"]
+        a.compute, a.built = None, trio.Event()  # a cold joiner, its stage not built yet
+        assert sender.compute is not None
+        encoded = sender.compute.forward("x", rows(), None)
+        msg = Forward(mb_id="x", tokens=TensorFrame.from_numpy(rows()), hidden=encoded,
+                      route=[s.ids["s0"]], deadline=time.time() + 0.2)  # fmt: skip
+
+        async def main() -> None:
+            with pytest.raises(RequestRefused, match="internal") as err:
+                await sender.transport.request(s.ids["a"], [], FORWARD_PROTOCOL, msg, timeout=5)
+            assert pipeline_hop.failure_kind(err.value) == "refused"
+
+        trio.run(main)
 
 
 def _poisoned(grad: EncodedTensor, scale: float) -> EncodedTensor:
