@@ -52,7 +52,7 @@ CONFIG_FILE = "config.json"
 class ModelConfig:
     d_model: int  # width of the residual stream (features)
     n_layers: int  # transformer blocks
-    n_heads: int  # attention heads; d_model must divide evenly
+    n_heads: int  # attention (query) heads; d_model must divide evenly
     d_ff: int  # SwiGLU hidden width (features)
     max_seq_len: int  # longest sequence the RoPE tables cover (tokens)
     subspace_rank: int = 0  # k of the residual subspace; 0 = unconstrained model
@@ -60,6 +60,8 @@ class ModelConfig:
     vocab_size: int = VOCAB_SIZE  # tokens (bytes)
     rope_base: float = 10000.0  # RoPE frequency base
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    # key/value heads (grouped-query attention, as in Llama); 0 = n_heads (plain attention)
+    n_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "vocab_size"):
@@ -69,6 +71,10 @@ class ModelConfig:
             raise ValueError(
                 f"model config: d_model={self.d_model} must split into n_heads={self.n_heads}"
                 " heads of even width"
+            )
+        if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model config: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
             )
         if not 0 <= self.subspace_rank <= self.d_model:
             raise ValueError(
@@ -92,9 +98,20 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
     def n_params(self) -> int:
-        per_layer = 4 * self.d_model**2 + 3 * self.d_model * self.d_ff + 2 * self.d_model
-        return 2 * self.vocab_size * self.d_model + self.n_layers * per_layer + self.d_model
+        """Trainable parameters of the whole model (the frozen subspace buffers excluded)."""
+        d, kv = self.d_model, self.kv_heads * self.head_dim
+        attn = 2 * d * d + 2 * d * kv  # q and out, k and v
+        per_layer = attn + 3 * d * self.d_ff + 2 * d
+        return 2 * self.vocab_size * d + self.n_layers * per_layer + d
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -113,6 +130,42 @@ PRESETS: dict[str, ModelConfig] = {
     "bench": ModelConfig(
         d_model=512, n_layers=4, n_heads=8, d_ff=512, max_seq_len=256, subspace_rank=32
     ),
+    # Llama-shaped presets for GPUs (grouped-query attention, SwiGLU of about 8/3 d, RoPE).
+    # No residual subspace: run them with a non-subspace boundary codec (fp16 or int8).
+    # Sizes with the byte vocabulary; a 32k-token tokenizer adds 2 x 32k x d_model. Memory
+    # estimates (not measured on a GPU yet): 16 bytes a parameter (fp32 weights, gradients,
+    # AdamW's two moments) plus activations; the outer loop's copies stay in CPU memory.
+    # 76M (125M with 32k tokens): fits an 8 GB consumer GPU with room for activations.
+    "llama-125m": ModelConfig(
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        d_ff=2048,
+        max_seq_len=2048,
+        rope_base=10000.0,
+    ),  # fmt: skip
+    # 284M (349M with 32k tokens): one stage of two fits a 12 GB card.
+    "llama-350m": ModelConfig(
+        d_model=1024,
+        n_layers=24,
+        n_heads=16,
+        n_kv_heads=8,
+        d_ff=2816,
+        max_seq_len=2048,
+        rope_base=10000.0,
+    ),  # fmt: skip
+    # 974M (1.1B with 32k tokens; Llama 3.2 1B's shape): a stage of four fits a 12 GB card,
+    # a stage of two a 24 GB one.
+    "llama-1b": ModelConfig(
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=8192,
+        max_seq_len=2048,
+        rope_base=500000.0,
+    ),  # fmt: skip
 }
 
 
@@ -166,9 +219,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.d_model
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.qkv = nn.Linear(d, d + 2 * self.n_kv * self.head_dim, bias=False)
         self.out_proj = nn.Linear(d, d, bias=False)  # writes into the residual stream
         self.mlp_norm = RMSNorm(d, cfg.norm_eps)
         self.gate_up = nn.Linear(d, 2 * cfg.d_ff, bias=False)
@@ -176,9 +229,14 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = h.shape
-        q, k, v = self.qkv(self.attn_norm(h)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        hd, kv = self.head_dim, self.n_kv * self.head_dim
+        q, k, v = self.qkv(self.attn_norm(h)).split((d, kv, kv), dim=-1)
+        q = q.view(b, t, self.n_heads, hd).transpose(1, 2)
+        k, v = (z.view(b, t, self.n_kv, hd).transpose(1, 2) for z in (k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv != self.n_heads:  # grouped-query attention: each kv head serves a group
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + self.out_proj(a.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)

@@ -32,10 +32,12 @@ def _chain(stages: list[Stage], x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("rank", [0, 8])
+@pytest.mark.parametrize("rank,kv", [(0, 0), (8, 0), (0, 2), (0, 1)])
 @pytest.mark.parametrize("n_stages", [2, 3, 4])
-def test_chained_stages_equal_unsplit_model_in_loss_and_gradients(rank: int, n_stages: int) -> None:
-    cfg = CFG.replace(subspace_rank=rank, seed=7)
+def test_chained_stages_equal_unsplit_model_in_loss_and_gradients(
+    rank: int, kv: int, n_stages: int
+) -> None:
+    cfg = CFG.replace(subspace_rank=rank, n_kv_heads=kv, seed=7)
     full = build_model(cfg)
     stages = [build_stage(cfg, s, n_stages) for s in range(n_stages)]
     gen = torch.Generator().manual_seed(0)
@@ -126,3 +128,39 @@ def test_replicas_of_a_stage_start_identical() -> None:
     a, b = build_stage(preset("tiny"), 1, 2), build_stage(preset("tiny"), 1, 2)
     for (ka, pa), (kb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb and torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("kv", [0, 2, 1])
+def test_n_params_counts_the_trainable_parameters_with_grouped_query_attention(kv: int) -> None:
+    cfg = CFG.replace(n_kv_heads=kv)
+    assert cfg.n_params() == sum(p.numel() for p in build_model(cfg).parameters())
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        CFG.replace(n_kv_heads=3)
+
+
+def test_grouped_query_attention_shares_each_kv_head_within_its_group() -> None:
+    """With one kv head every query head attends with the same keys and values: heads
+    whose query weights are equal give equal outputs."""
+    cfg = CFG.replace(n_kv_heads=1, n_layers=1)
+    block = build_model(cfg).blocks["0"]
+    hd = cfg.head_dim
+    with torch.no_grad():
+        q = block.qkv.weight[: cfg.d_model]
+        q[hd : 2 * hd] = q[:hd]  # head 1's queries = head 0's
+    h = torch.randn(2, 8, cfg.d_model)
+    model = build_model(cfg)
+    cos, sin = model.rope_cos, model.rope_sin
+    captured = {}
+    block.out_proj.register_forward_hook(lambda m, i, o: captured.update(a=i[0]))
+    block(h, cos, sin)
+    a = captured["a"].view(2, 8, cfg.n_heads, hd)
+    torch.testing.assert_close(a[:, :, 0], a[:, :, 1])
+
+
+def test_llama_presets_have_their_sizes() -> None:
+    sizes = {name: PRESETS[name].n_params() for name in ("llama-125m", "llama-350m", "llama-1b")}
+    assert 70e6 < sizes["llama-125m"] < 90e6, sizes
+    assert 250e6 < sizes["llama-350m"] < 400e6, sizes
+    assert 0.9e9 < sizes["llama-1b"] < 1.3e9, sizes
+    with_tokenizer = PRESETS["llama-125m"].replace(vocab_size=32000).n_params()
+    assert 120e6 < with_tokenizer < 130e6  # the name counts a 32k-token vocabulary
