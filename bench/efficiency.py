@@ -22,6 +22,14 @@ One invocation measures, one after another on the same machine:
    default. Nodes announce the proxy's port (`bench.shaped_node`), so all data-plane and
    control-plane traffic crosses the emulated link once per direction.
 
+4. **fault-tolerance overhead** (`--ft-overhead`, on by default; `--ft-only` runs only
+   it): two swarms at once on the same cores, one with heartbeats, leases, commits and
+   checkpoints at their defaults and one with them at their cheapest (long heartbeat
+   interval and TTL, whole-shard grants, no checkpoints), DiLoCo rounds every
+   `--ft-outer-every-steps` in both; `ft_overhead_pct` is how much lower the default
+   swarm's stage-0 trained tokens/s is, over one window and per interval
+   (bench/efficiency_ft.py says exactly how it is measured).
+
 It also reads where the time goes: CPU seconds of every process over the window, the
 stage-0 micro-batch round trip (`agora_node_microbatch_seconds`), retries, boundary wire
 bytes, and the 1-thread centralised rate (two cores of perfect pipelining would give
@@ -45,6 +53,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.efficiency_ft import add_arguments as add_ft_arguments
+from bench.efficiency_ft import measure_ft_overhead
 
 NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
 SEQ_LEN = 128  # tokens per sequence, as the nodes' default
@@ -338,8 +349,25 @@ def print_table(result: dict[str, Any]) -> None:
             f"{rt * 1000:.0f} ms" if rt else "-",
             f"{s['retried']:.0f}",
         )
+    ft = result.get("ft")
+    if ft is not None:
+        for key in ("default", "cheap"):
+            m = ft[key]
+            table.add_row(
+                f"swarm 2x2, fault tolerance {key} (side by side)", f"{m['tokens_per_s']:.0f}",
+                "", f"{m['cpu_seconds'] / m['seconds']:.2f}", "", "",
+            )  # fmt: skip
     console = Console()
     console.print(table)
+    if ft is not None:
+        pct, sd = ft["ft_overhead_pct"], ft["ft_overhead_pct_stdev"]
+        cpu = ft["ft_overhead_cpu_pct"]
+        console.print(
+            f"ft_overhead_pct = {pct:.2f} % (per-interval stdev {sd:.2f} points); "
+            f"CPU seconds per token: {cpu:+.2f} %"
+            if pct is not None and sd is not None and cpu is not None
+            else f"ft_overhead_pct = {pct} (stdev {sd}, cpu {cpu})"
+        )
     for key in ("loopback", "shaped"):
         if f"ratio_{key}" in result:
             console.print(
@@ -388,6 +416,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shaped", action="store_true", help="skip the shaped-link run")
     p.add_argument("--workdir", type=workdir_path, help="keep logs here (default: a temporary dir)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_ft_arguments(p)
     return p
 
 
@@ -424,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             ("loopback", None),
             ("shaped", Shaping(args.rate_mbit, args.delay_ms)),
         ):
-            if key == "shaped" and args.no_shaped:
+            if args.ft_only or (key == "shaped" and args.no_shaped):
                 continue
             central = _central_pair(args, q)
             result[f"central_{key}"] = central
@@ -450,6 +479,14 @@ def main(argv: list[str] | None = None) -> int:
                     "userspace TCP proxy (bench.shaping_proxy): this kernel has no sch_netem; "
                     f"{args.rate_mbit} Mbit/s per direction per node, {args.delay_ms} ms each way"
                 )
+        if args.ft_overhead or args.ft_only:
+            ft = measure_ft_overhead(
+                args.preset, workdir / "ft", warmup_s=args.warmup_s, window_s=args.ft_window_s,
+                args=args, quiet=q,
+            )  # fmt: skip
+            result["ft"] = ft
+            result["ft_overhead_pct"] = ft["ft_overhead_pct"]
+            _say(f"ft_overhead_pct {ft['ft_overhead_pct']}", q)
     except KeyboardInterrupt:
         print("agora bench efficiency: interrupted", file=sys.stderr)
         return 130
