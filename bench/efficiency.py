@@ -55,16 +55,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.efficiency_ft import add_arguments as add_ft_arguments
-from bench.efficiency_ft import measure_ft_overhead
+from bench.efficiency_ft import cpu_seconds, measure_ft_overhead, say
 
 NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
 SEQ_LEN = 128  # tokens per sequence, as the nodes' default
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _say(msg: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"[efficiency] {msg}", file=sys.stderr, flush=True)
+_say = say
 
 
 # --- centralised -------------------------------------------------------------------------
@@ -108,12 +105,7 @@ def measure_central(preset: str, threads: int, batch: int, seconds: float) -> di
 # --- swarm -------------------------------------------------------------------------------
 
 
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+_cpu_seconds = cpu_seconds
 
 
 @dataclass

@@ -29,7 +29,9 @@ percentage only as a ratio.
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,21 @@ from typing import Any
 NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
 DEFAULT_HEARTBEAT_S = 3.0  # coordinator.config.CoordinatorConfig defaults
 DEFAULT_TTL_S = 15.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[efficiency] {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (NaN once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
 def _swarm(workdir: Path, preset: str, *, cheap: bool, args: Any) -> Any:
@@ -79,8 +96,6 @@ def measure_ft_overhead(
     quiet: bool,
 ) -> dict[str, Any]:
     """Run the default and the cheap swarm side by side; their rates and the overhead."""
-    from bench.efficiency import _cpu_seconds, _say
-
     swarms = {
         "default": _swarm(workdir / "ft-default", preset, cheap=False, args=args),
         "cheap": _swarm(workdir / "ft-cheap", preset, cheap=True, args=args),
@@ -96,23 +111,21 @@ def measure_ft_overhead(
             for key, sw in swarms.items():
                 ckpt = ["--checkpoint-dir", str(sw.workdir / "checkpoints" / name)]
                 sw.add_node(name, stage, *(ckpt if key == "default" else []))
-        _say("fault-tolerance overhead: two swarms starting side by side", quiet)
+        say("fault-tolerance overhead: two swarms starting side by side", quiet)
         for key, sw in swarms.items():
             sw.wait_for(lambda sw=sw: _serving(sw), f"the {key} swarm's nodes training", 300)
-        _say(f"both swarms train; window starts in {warmup_s:.0f} s", quiet)
+        say(f"both swarms train; window starts in {warmup_s:.0f} s", quiet)
         start = time.monotonic()
         first = swarms["default"]
         first.wait_for(lambda: time.monotonic() - start >= warmup_s, "warm-up", warmup_s + 5, 0.2)
-        _say(f"measuring for {window_s:.0f} s in {intervals} intervals", quiet)
+        say(f"measuring for {window_s:.0f} s in {intervals} intervals", quiet)
         t0 = time.monotonic()
         for i in range(intervals + 1):
             if i:
                 due = t0 + window_s * i / intervals
                 first.wait_for(lambda due=due: time.monotonic() >= due, "interval", window_s, 0.2)
             times.append(time.monotonic())
-            cpu = {
-                k: {n: _cpu_seconds(p) for n, p in _pids(sw).items()} for k, sw in swarms.items()
-            }
+            cpu = {k: {n: cpu_seconds(p) for n, p in _pids(sw).items()} for k, sw in swarms.items()}
             samples.append({k: (_trained(sw), sum(cpu[k].values())) for k, sw in swarms.items()})
             if i in (0, intervals):
                 cpu_at.append(cpu)
