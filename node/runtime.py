@@ -216,15 +216,9 @@ class Node:
     async def _on_state_replaced(self) -> None:
         """The outer loop moved and took another replica's state: the ranges that this
         replica's held lone rounds carried are gone from it and are trained again."""
-        for rng in self.pool.state_replaced():
-            log.info(
-                "node: lease %d tokens %d..%d left with the replaced state; training them again",
-                rng.lease.lease_id, rng.start, rng.end,
-            )  # fmt: skip
-            self.events.emit(
-                "ranges_returned", lease_id=rng.lease.lease_id, shard_id=rng.lease.shard_id,
-                start=rng.start, end=rng.end,
-            )  # fmt: skip
+        returned = self.pool.state_replaced()
+        if self.driver is not None:
+            self.driver.ranges_returned(returned, "left with the replaced state")
 
     # --- leaving -----------------------------------------------------------------------
 

@@ -236,16 +236,20 @@ class Stage0Driver:
         verdict = self.pool.round_result(facts)
         if verdict.commits:  # the state these commits rode in (recorded with them)
             self._lineage = (facts.round, facts.digest)
-        for rng in verdict.returned:
+        self.ranges_returned(verdict.returned, "did not reach the global state")
+        await self.commit()
+
+    def ranges_returned(self, ranges: list[CommitRange], why: str) -> None:
+        """Log and record trained ranges the commit rule handed back to be trained again."""
+        for rng in ranges:
             log.info(
-                "node: lease %d tokens %d..%d did not reach the global state; training them again",
-                rng.lease.lease_id, rng.start, rng.end,
+                "node: lease %d tokens %d..%d %s; training them again",
+                rng.lease.lease_id, rng.start, rng.end, why,
             )  # fmt: skip
             self.events.emit(
                 "ranges_returned", lease_id=rng.lease.lease_id, shard_id=rng.lease.shard_id,
                 start=rng.start, end=rng.end,
             )  # fmt: skip
-        await self.commit()
 
     async def _commit_one(self, rng: CommitRange) -> None:
         lease = rng.lease
