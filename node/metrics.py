@@ -36,6 +36,9 @@ OUTER_ROUND_SECONDS = Histogram(
 OUTER_GROUP_SIZE = Gauge("agora_node_outer_group_size", "Replicas averaged in the last outer round")
 OUTER_BYTES = Counter("agora_node_outer_bytes_total", "Pseudo-gradient bytes sent on the wire")
 STAGE = Gauge("agora_node_stage", "Pipeline stage this node serves")
+DEVICE_PEAK = Gauge(
+    "agora_node_device_peak_bytes", "Peak GPU memory the stage allocated (0 on the CPU)"
+)
 MB_SECONDS = Histogram(
     "agora_node_microbatch_seconds",
     "Round trip of a micro-batch through the downstream stages",

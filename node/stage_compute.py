@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from node import metrics
 from node.compression import BoundaryCodec
 from node.config import NodeConfig
 from node.inner_step import inner_step
@@ -213,6 +214,8 @@ class StageCompute:
             return
         self.inner_steps += 1
         self.weights_version += 1
+        if self.device.type == "cuda":
+            metrics.DEVICE_PEAK.set(torch.cuda.max_memory_allocated(self.device))
 
     # --- reporting ---------------------------------------------------------------------------
 
