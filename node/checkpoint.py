@@ -8,8 +8,8 @@ A checkpoint of stage K is two files in the checkpoint directory:
   the JSON description below (key `agora`), so the file is self-describing and one
   rename publishes weights and description together.
 - `stage{K}.json`: the same description for people and tools (`format`, `version`,
-  `run_id`, `preset`, `seed`, `stage`, `n_stages`, `round`, `numel`, `momentum`,
-  `created_at`, `digest` and `lineage`: the state's digest and the chain of (round,
+  `run_id`, `preset`, `seed`, `vocab_size`, `stage_layers`, `tokenizer_hash`, `stage`,
+  `n_stages`, `round`, `numel`, `momentum`, `created_at`, `digest` and `lineage`: the state's digest and the chain of (round,
   digest) it descends from, `protocol.lineage`; `sha256` of the safetensors file).
 
 Both are written to a temporary file in the same directory, fsynced and renamed over
@@ -65,6 +65,9 @@ class CheckpointMeta:
     created_at: float = 0.0  # unix seconds
     digest: str = ""  # the outer process's digest of this state (hex; "" = not known)
     lineage: tuple[Link, ...] = ()  # the state's chain, ending with it (protocol.lineage)
+    vocab_size: int = 0  # the run's vocabulary (tokens; 0 = the preset's)
+    stage_layers: tuple[int, ...] = ()  # the run's layers per stage (() = even split)
+    tokenizer_hash: str = ""  # sha256 of the run's tokenizer.json ("" = bytes)
     format: str = CHECKPOINT_FORMAT
     version: int = CHECKPOINT_VERSION
 
@@ -88,8 +91,13 @@ class CheckpointMeta:
             raise CheckpointError(str(exc)) from exc
         if not isinstance(meta.digest, str) or digest_problem(meta.digest) is not None:
             raise CheckpointError(f"{where}: bad digest {meta.digest!r:.80}")
-        meta = replace(meta, lineage=lineage)
-        ints = (meta.seed, meta.stage, meta.n_stages, meta.round, meta.numel)
+        if not isinstance(meta.stage_layers, list | tuple) or not isinstance(
+            meta.tokenizer_hash, str
+        ):
+            raise CheckpointError(f"{where}: bad stage_layers/tokenizer_hash in {data!r:.300}")
+        meta = replace(meta, lineage=lineage, stage_layers=tuple(meta.stage_layers))
+        ints: tuple[int, ...] = (meta.seed, meta.stage, meta.n_stages, meta.round, meta.numel)
+        ints += (meta.vocab_size, *meta.stage_layers)
         if not all(isinstance(v, int) and v >= 0 for v in ints) or meta.stage >= meta.n_stages:
             raise CheckpointError(f"{where}: bad stage/round fields in {data!r:.300}")
         return meta
@@ -238,6 +246,9 @@ class StageCheckpointer:
         stage: int,
         n_stages: int,
         names: Sequence[str],
+        vocab_size: int = 0,
+        stage_layers: Sequence[int] = (),
+        tokenizer_hash: str = "",
         shapes: Sequence[torch.Size],
     ) -> None:
         if every_rounds < 1:
@@ -246,6 +257,8 @@ class StageCheckpointer:
         self.every_rounds = every_rounds  # applied rounds between checkpoints
         self.run_id, self.preset, self.seed = run_id, preset, seed
         self.stage, self.n_stages = stage, n_stages
+        self.vocab_size, self.stage_layers = vocab_size, tuple(stage_layers)
+        self.tokenizer_hash = tokenizer_hash
         self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
         self.numel = sum(s.numel() for s in self.shapes)
         self.last_round = -1  # round of the newest checkpoint written
@@ -270,7 +283,8 @@ class StageCheckpointer:
         meta = CheckpointMeta(
             run_id=self.run_id, preset=self.preset, seed=self.seed, stage=self.stage, n_stages=self.n_stages, round=round_,
             numel=self.numel, momentum=True, created_at=time.time(), digest=digest,
-            lineage=tuple(lineage),
+            lineage=tuple(lineage), vocab_size=self.vocab_size, stage_layers=self.stage_layers,
+            tokenizer_hash=self.tokenizer_hash,
         )  # fmt: skip
         return (
             meta,
@@ -336,6 +350,8 @@ def stage_checkpointer(
         directory, every_rounds=every_rounds, run_id=run.run_id, preset=run.model_preset,
         seed=run.seed, stage=stage, n_stages=run.n_stages,
         names=[n for n, _ in named], shapes=[p.shape for _, p in named],
+        vocab_size=run.vocab_size, stage_layers=run.stage_layers,
+        tokenizer_hash=run.tokenizer_hash,
     )  # fmt: skip
 
 
@@ -369,7 +385,8 @@ def resume_state(
         log.warning("checkpoint: not resuming: %s", exc)
         return None
     want = {"run_id": run.run_id, "preset": run.model_preset, "seed": run.seed}
-    want |= {"n_stages": run.n_stages, "stage": stage}
+    want |= {"n_stages": run.n_stages, "stage": stage, "vocab_size": run.vocab_size}
+    want |= {"stage_layers": tuple(run.stage_layers), "tokenizer_hash": run.tokenizer_hash}
     for name, value in want.items():
         if getattr(ck.meta, name) != value:
             log.warning(

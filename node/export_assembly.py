@@ -22,7 +22,14 @@ from pathlib import Path
 import torch
 
 from node.checkpoint import Checkpoint, CheckpointError, find_checkpoints, read_checkpoint
-from node.model import ModelConfig, Stage, build_model, load_stage_weights, preset, save_export
+from node.model import (
+    ModelConfig,
+    Stage,
+    build_model,
+    load_stage_weights,
+    run_model_config,
+    save_export,
+)
 from protocol.lineage import LINEAGE_FILE, LINEAGE_FORMAT, Link, to_plain
 
 
@@ -49,7 +56,7 @@ def choose_stages(checkpoints: Sequence[Checkpoint]) -> dict[int, Checkpoint]:
     first = checkpoints[0].meta
     for ck in checkpoints[1:]:
         m = ck.meta
-        for name in ("run_id", "preset", "seed", "n_stages"):
+        for name in ("run_id", "preset", "seed", "n_stages", "vocab_size", "stage_layers"):
             if getattr(m, name) != getattr(first, name):
                 raise ExportError(
                     f"{ck.path} is from another run: {name}={getattr(m, name)!r}, but"
@@ -99,7 +106,9 @@ def assemble_checkpoints(paths: Sequence[Path]) -> Assembled:
     chosen = choose_stages(checkpoints)
     meta = chosen[0].meta
     try:
-        config = preset(meta.preset).replace(seed=meta.seed)
+        config = run_model_config(
+            meta.preset, seed=meta.seed, vocab_size=meta.vocab_size, split=meta.stage_layers
+        )
     except ValueError as exc:
         raise ExportError(f"{chosen[0].path}: {exc}") from exc
     model = assemble({s: ck.tensors for s, ck in chosen.items()}, config)

@@ -38,7 +38,7 @@ from node.coordinator_client import (
     CoordinatorUnavailable,
 )
 from node.export_assembly import Assembled, ExportError, assemble, write_lineage
-from node.model import ModelConfig, build_stage, preset, save_export
+from node.model import ModelConfig, build_stage, run_model_config, save_export
 from node.p2p.host import Libp2pTransport
 from node.p2p.transport import P2PConfig, RequestRefused, TransportError
 from protocol.control import JoinReply, JoinRequest, PeerInfo, RunInfo
@@ -111,7 +111,9 @@ def stage_layout(config: ModelConfig, stage: int, n_stages: int) -> StageLayout:
 
 def model_config(run: RunInfo) -> ModelConfig:
     try:
-        return preset(run.model_preset).replace(seed=run.seed)
+        return run_model_config(
+            run.model_preset, seed=run.seed, vocab_size=run.vocab_size, split=run.stage_layers
+        )
     except ValueError as exc:
         raise LiveExportError(f"run {run.run_id!r}: {exc}") from exc
 

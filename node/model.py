@@ -1,17 +1,19 @@
-"""The model: a decoder-only byte-level transformer (RMSNorm, RoPE, SwiGLU) built in stages.
+"""The model: a Llama-shaped decoder-only transformer (RMSNorm, RoPE, SwiGLU, GQA) in stages.
 
 Interface for the pipeline (and for the central trainer, which uses one stage):
 
 - `build_stage(config, stage, n_stages) -> Stage` builds layers
-  `stage_layers(config.n_layers, stage, n_stages)` of the model. Parameters are initialised
+  `config.layers_of(stage, n_stages)` of the model. Parameters are initialised
   per layer from `config.seed`, so every replica of a stage starts identical and the stages
   chained together equal `build_stage(config, 0, 1)` exactly.
-- Stage 0 takes int64 tokens [B, T] (values 0..255) and owns the token embedding.
+- Stage 0 takes int64 tokens [B, T] (values below `config.vocab_size`) and owns the
+  token embedding. The config itself (shape, presets, stage split) is pure and lives in
+  protocol.model_config, so the coordinator can size stages without torch.
   Later stages take the hidden state [B, T, d] (float32), which the boundary codec
   reconstructs from the wire given the tokens (see node.compression).
 - A non-last stage returns the hidden state [B, T, d]. The last stage owns the final
   norm and the LM head; `stage(x, targets)` returns the loss, the mean cross-entropy in
-  nats per byte, and `stage(x)` returns logits [B, T, 256].
+  nats per token, and `stage(x)` returns logits [B, T, vocab_size].
 - With `config.subspace_rank > 0` the stage carries the run's basis U and frozen
   embedding E0 (node.subspace) and the residual stream is `E0[tokens] + U c`; call
   `node.subspace.project_grads_(stage)` before and `node.subspace.project_(stage)` after
@@ -26,11 +28,9 @@ union of its stages' and a stage loads its slice from a full export with
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,151 +40,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from node.subspace import Subspace, derive_seed, make_subspace, project_
+from protocol.model_config import (
+    PRESETS,
+    VOCAB_SIZE,
+    ModelConfig,
+    preset,
+    run_model_config,
+    stage_layers,
+)
 
-VOCAB_SIZE = 256  # byte-level tokens
+__all__ = ["PRESETS", "VOCAB_SIZE", "ModelConfig", "preset", "run_model_config", "stage_layers"]
 EXPORT_FORMAT = "agora-model"
 EXPORT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelConfig:
-    d_model: int  # width of the residual stream (features)
-    n_layers: int  # transformer blocks
-    n_heads: int  # attention (query) heads; d_model must divide evenly
-    d_ff: int  # SwiGLU hidden width (features)
-    max_seq_len: int  # longest sequence the RoPE tables cover (tokens)
-    subspace_rank: int = 0  # k of the residual subspace; 0 = unconstrained model
-    seed: int = 0  # run seed: U, E0 and the initial weights derive from it
-    vocab_size: int = VOCAB_SIZE  # tokens (bytes)
-    rope_base: float = 10000.0  # RoPE frequency base
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    # key/value heads (grouped-query attention, as in Llama); 0 = n_heads (plain attention)
-    n_kv_heads: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model config: {name}={getattr(self, name)} must be >= 1")
-        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
-            raise ValueError(
-                f"model config: d_model={self.d_model} must split into n_heads={self.n_heads}"
-                " heads of even width"
-            )
-        if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"model config: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
-            )
-        if not 0 <= self.subspace_rank <= self.d_model:
-            raise ValueError(
-                f"model config: subspace_rank={self.subspace_rank} must be in 0..{self.d_model}"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"model config: unknown fields {sorted(unknown)}")
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ValueError(f"model config: {exc}") from exc
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    def n_params(self) -> int:
-        """Trainable parameters of the whole model (the frozen subspace buffers excluded)."""
-        d, kv = self.d_model, self.kv_heads * self.head_dim
-        attn = 2 * d * d + 2 * d * kv  # q and out, k and v
-        per_layer = attn + 3 * d * self.d_ff + 2 * d
-        return 2 * self.vocab_size * d + self.n_layers * per_layer + d
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # Multi-process tests: a stage forward+backward of a small micro-batch in a few ms.
-    # Ranks: twice what int8 coefficients would afford, for the 4-bit `subspace_int4`
-    # codec at the same bytes (docs/compression.md).
-    "tiny": ModelConfig(
-        d_model=128, n_layers=4, n_heads=4, d_ff=256, max_seq_len=256, subspace_rank=32
-    ),
-    # The demo: 2 stages x 2 replicas on 2 CPU cores in about five minutes.
-    "small": ModelConfig(
-        d_model=256, n_layers=4, n_heads=4, d_ff=512, max_seq_len=256, subspace_rank=48
-    ),
-    # `agora bench compression`: wide enough that the subspace pays (d/k = 16 at 4 bits
-    # a coefficient: 110x), small enough to train three times on 2 CPU cores in minutes.
-    "bench": ModelConfig(
-        d_model=512, n_layers=4, n_heads=8, d_ff=512, max_seq_len=256, subspace_rank=32
-    ),
-    # Llama-shaped presets for GPUs (grouped-query attention, SwiGLU of about 8/3 d, RoPE).
-    # No residual subspace: run them with a non-subspace boundary codec (fp16 or int8).
-    # Sizes with the byte vocabulary; a 32k-token tokenizer adds 2 x 32k x d_model. Memory
-    # estimates (not measured on a GPU yet): 16 bytes a parameter (fp32 weights, gradients,
-    # AdamW's two moments) plus activations; the outer loop's copies stay in CPU memory.
-    # 76M (125M with 32k tokens): fits an 8 GB consumer GPU with room for activations.
-    "llama-125m": ModelConfig(
-        d_model=768,
-        n_layers=12,
-        n_heads=12,
-        n_kv_heads=4,
-        d_ff=2048,
-        max_seq_len=2048,
-        rope_base=10000.0,
-    ),  # fmt: skip
-    # 284M (349M with 32k tokens): one stage of two fits a 12 GB card.
-    "llama-350m": ModelConfig(
-        d_model=1024,
-        n_layers=24,
-        n_heads=16,
-        n_kv_heads=8,
-        d_ff=2816,
-        max_seq_len=2048,
-        rope_base=10000.0,
-    ),  # fmt: skip
-    # 974M (1.1B with 32k tokens; Llama 3.2 1B's shape): a stage of four fits a 12 GB card,
-    # a stage of two a 24 GB one.
-    "llama-1b": ModelConfig(
-        d_model=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        d_ff=8192,
-        max_seq_len=2048,
-        rope_base=500000.0,
-    ),  # fmt: skip
-}
-
-
-def preset(name: str) -> ModelConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}") from None
-
-
-def stage_layers(n_layers: int, stage: int, n_stages: int) -> range:
-    """The contiguous layers of `stage`; earlier stages take the remainder first."""
-    if not 1 <= n_stages <= n_layers:
-        raise ValueError(f"n_stages={n_stages} must be in 1..n_layers={n_layers}")
-    if not 0 <= stage < n_stages:
-        raise ValueError(f"stage={stage} must be in 0..{n_stages - 1}")
-    base, extra = divmod(n_layers, n_stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
 
 
 # --- layers -----------------------------------------------------------------------------
@@ -263,7 +132,7 @@ class Stage(nn.Module):
         self.config = config
         self.stage = stage
         self.n_stages = n_stages
-        self.layers = stage_layers(config.n_layers, stage, n_stages)
+        self.layers = config.layers_of(stage, n_stages)
         self.is_first = stage == 0
         self.is_last = stage == n_stages - 1
         # recompute each block's activations in backward instead of keeping them
@@ -352,7 +221,7 @@ class Stage(nn.Module):
 
 
 def build_stage(config: ModelConfig, stage: int, n_stages: int) -> Stage:
-    """Layers `stage_layers(config.n_layers, stage, n_stages)` of the model, initialised."""
+    """Layers `config.layers_of(stage, n_stages)` of the model, initialised."""
     return Stage(config, stage, n_stages)
 
 

@@ -36,7 +36,7 @@ from node import metrics
 from node.compression import BoundaryCodec
 from node.config import NodeConfig
 from node.inner_step import inner_step
-from node.model import ModelConfig, build_stage, param_groups, preset
+from node.model import ModelConfig, build_stage, param_groups, run_model_config
 from protocol.control import RunInfo
 from protocol.tensors import EncodedTensor
 
@@ -278,6 +278,8 @@ def build_stage_compute(
         precision=resolve_precision(cfg.precision, device),
         recompute=cfg.recompute,
     )
-    model_cfg = preset(run.model_preset).replace(seed=run.seed)
+    model_cfg = run_model_config(
+        run.model_preset, seed=run.seed, vocab_size=run.vocab_size, split=run.stage_layers
+    )
     compute = StageCompute(model_cfg, stage, run.n_stages, run.codec, inner, device)
     return compute, throughput_probe(compute, cfg.micro_batch, cfg.seq_len)

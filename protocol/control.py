@@ -139,6 +139,13 @@ class RunInfo(Message):
     relays: list[str] = bounded(max_len=MAX_ADDRS, default_factory=list)
     # seconds between the coordinator's expiry sweeps (0 = not told: assume lease_ttl_s)
     sweep_interval_s: float = bounded(ge=0.0, le=86_400.0, default=0.0)
+    # the model's vocabulary (tokens; 0 = the preset's, the byte tokenizer's 256)
+    vocab_size: int = bounded(ge=0, le=1 << 20, default=0)
+    # sha256 of the run's tokenizer.json ("" = the byte tokenizer); the file comes from
+    # `TokenizerFetch`, checked against this
+    tokenizer_hash: str = bounded(max_len=64, default="")
+    # layers of each stage (empty = an even split; protocol.model_config.stage_layers)
+    stage_layers: list[int] = bounded(max_len=1024, default_factory=list)
 
 
 @record
