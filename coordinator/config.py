@@ -10,7 +10,8 @@ Example `run.toml` (every key optional; flat, or under a `[coordinator]` table):
     run_id = "stdlib-small"
     model_preset = "small"
     n_stages = 2
-    dataset = "stdlib"          # or a directory of text files, or a .jsonl file
+    dataset = "stdlib"          # or text files, .jsonl, Parquet or a `datasets` directory
+    tokenizer = "bytes"         # or a tokenizer.json (`agora tokenizer train`)
     lease_ttl_s = 15.0
     heartbeat_interval_s = 3.0
     auth = "token"              # open | token | allowlist
@@ -40,7 +41,15 @@ class CoordinatorConfig:
     seed: int = 0  # run seed
     stage_costs: list[float] | None = None  # relative compute per stage (default all 1.0)
     # dataset
-    dataset: str = "stdlib"  # "stdlib" (embedded corpus), a directory, or a .jsonl file
+    # "stdlib" (embedded corpus), a directory of text files, a .jsonl, a .parquet file or
+    # a directory of them, or a directory written by `datasets`' save_to_disk
+    dataset: str = "stdlib"
+    text_column: str = "text"  # the column (or .jsonl key) that holds the text
+    # "bytes" (one token a byte, vocabulary 256) or a tokenizer.json of `tokenizers`
+    # (`agora tokenizer train`); nodes fetch it from the coordinator, checked by hash
+    tokenizer: str = "bytes"
+    # directory of tokenized corpora (None: "<db>.tokens" beside the database; "": none)
+    token_cache: str | None = None
     shard_tokens: int = 1 << 18  # tokens per shard
     heldout_every: int = 16  # every n-th shard is held out
     # network
@@ -168,6 +177,8 @@ class CoordinatorConfig:
             4096 <= self.max_request_bytes <= self.max_frame_bytes,
             "max_request_bytes must be in [4096, max_frame_bytes]",
         )
+        need(bool(self.text_column), "text_column must not be empty")
+        need(bool(self.tokenizer), "tokenizer must be 'bytes' or a tokenizer.json path")
         need(
             self.max_frame_bytes >= self.shard_tokens + 4096,
             f"max_frame_bytes ({self.max_frame_bytes}) must exceed shard_tokens"

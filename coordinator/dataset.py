@@ -1,62 +1,47 @@
-"""The coordinator's copy of the dataset: read the files, cut the manifest.
+"""The coordinator's copy of the dataset: the run's tokenizer and the tokenized corpus.
 
-The layout of the corpus bytes and the shard cut are `protocol.corpus`'s; this module only
-reads files and passes them through it, so its bytes match node.data's byte for byte
-(node.data holds the node's twin of `stdlib_corpus` and `read_user_dataset`; coordinator
-and node never import each other, and protocol reads no files).
+Reading, tokenizing and cutting are `ingest`'s and `protocol.corpus`'s (the node reads
+the same way through them); this module maps the coordinator's settings onto them: the
+dataset, its text column, the tokenizer, the shard cut, and the token cache beside the
+database. It runs once at start-up (`coordinator/main.py`), off the event loop.
 """
 
 from __future__ import annotations
 
-import sysconfig
-from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
-from protocol.corpus import (
-    Manifest,
-    build_manifest,
-    embedded_corpus,
-    is_stdlib_source,
-    jsonl_corpus,
-    text_files_corpus,
-    user_dataset_layout,
-)
+from ingest.corpus import load_corpus
+from ingest.sources import STDLIB
+from ingest.tokenizer import RunTokenizer
+from protocol.corpus import Manifest
 
-STDLIB = "stdlib"  # the `dataset` setting that names the embedded corpus
+__all__ = ["STDLIB", "load_dataset", "load_tokenizer"]
 
 
-def _read_tree(
-    root: Path, keep: Callable[[str], bool] = lambda rel: True
-) -> list[tuple[str, bytes]]:
-    """(POSIX path relative to `root`, bytes) of every file under `root` that `keep` accepts."""
-    found = ((p.relative_to(root).as_posix(), p) for p in root.rglob("*"))
-    return [(rel, p.read_bytes()) for rel, p in found if keep(rel) and p.is_file()]
+def load_tokenizer(cfg: CoordinatorConfig) -> RunTokenizer:
+    """The run's tokenizer (`cfg.tokenizer`: "bytes" or a tokenizer.json)."""
+    return RunTokenizer.load(cfg.tokenizer)
 
 
-def stdlib_corpus(root: Path | None = None) -> bytes:
-    """The embedded corpus, read from this Python's standard library (or `root`)."""
-    base = Path(root or sysconfig.get_paths()["stdlib"])
-    return embedded_corpus(_read_tree(base, is_stdlib_source))
-
-
-def read_user_dataset(path: Path) -> bytes:
-    """A directory of text files (sorted, recursive) or a .jsonl with a `text` field."""
-    path = Path(path)
-    if user_dataset_layout(path.name, is_dir=path.is_dir(), where=str(path)) == "text files":
-        return text_files_corpus(_read_tree(path), where=str(path))
-    with path.open("rb") as lines:
-        return jsonl_corpus(lines, where=str(path))
-
-
-def load_dataset(cfg: CoordinatorConfig) -> tuple[Manifest, bytes]:
-    """The run's corpus (`cfg.dataset`) and its manifest, cut as `cfg` says."""
-    if cfg.dataset == STDLIB:
-        data, name = stdlib_corpus(), STDLIB
-    else:
-        path = Path(cfg.dataset)
-        data, name = read_user_dataset(path), path.name
-    manifest = build_manifest(
-        data, name=name, shard_tokens=cfg.shard_tokens, heldout_every=cfg.heldout_every
+def load_dataset(
+    cfg: CoordinatorConfig, tokenizer: RunTokenizer | None = None
+) -> tuple[Manifest, bytes]:
+    """The run's token stream (`cfg.dataset` under `cfg.tokenizer`) and its manifest."""
+    tokenizer = tokenizer or load_tokenizer(cfg)
+    cache = None if cfg.token_cache == "" else Path(cfg.token_cache or f"{cfg.db}.tokens")
+    manifest, stream = load_corpus(
+        cfg.dataset,
+        tokenizer=tokenizer,
+        text_column=cfg.text_column,
+        shard_tokens=cfg.shard_tokens,
+        heldout_every=cfg.heldout_every,
+        cache_dir=cache,
     )
-    return manifest, data
+    frame = cfg.shard_tokens * manifest.token_bytes + 4096
+    if frame > cfg.max_frame_bytes:
+        raise ValueError(
+            f"a shard of {cfg.shard_tokens} tokens of {manifest.token_bytes} bytes needs"
+            f" max_frame_bytes >= {frame} (it is {cfg.max_frame_bytes})"
+        )
+    return manifest, stream

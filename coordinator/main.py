@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, load_config
-from coordinator.dataset import load_dataset
+from coordinator.dataset import load_dataset, load_tokenizer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.relay_child import RelayChild, RelayStartError
 from coordinator.server import CoordinatorServer
@@ -42,7 +42,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--auth", choices=("open", "token", "allowlist"), help="join policy")
     p.add_argument("--run-id", help="run name")
     p.add_argument("--n-stages", type=int, help="pipeline stages")
-    p.add_argument("--dataset", help="'stdlib', a directory of text files, or a .jsonl file")
+    p.add_argument(
+        "--dataset",
+        help="'stdlib', a directory of text files, a .jsonl, a .parquet file or a directory"
+        " of them, or a directory written by datasets' save_to_disk",
+    )
+    p.add_argument("--text-column", help="the column (or .jsonl key) holding text (default text)")
+    p.add_argument(
+        "--tokenizer",
+        help="'bytes' (default) or a tokenizer.json (agora tokenizer train); served to nodes",
+    )
     p.add_argument("--shard-tokens", type=int, help="tokens per shard")
     p.add_argument("--lease-ttl", dest="lease_ttl_s", type=float, help="lease/peer TTL, s")
     p.add_argument(
@@ -84,10 +93,24 @@ async def serve(cfg: CoordinatorConfig) -> int:
 
 
 async def _serve(cfg: CoordinatorConfig, relay: RelayChild | None) -> int:
-    manifest, corpus = await asyncio.to_thread(load_dataset, cfg)
+    tokenizer = load_tokenizer(cfg)
+    if len(tokenizer.json) + 4096 > cfg.max_frame_bytes:
+        raise ValueError(
+            f"tokenizer {cfg.tokenizer} ({len(tokenizer.json)} bytes) does not fit a reply"
+            f" frame: raise max_frame_bytes above {len(tokenizer.json) + 4096}"
+        )
+    log.info("loading dataset %s (tokenizer %s)", cfg.dataset, tokenizer.name)
+    manifest, corpus = await asyncio.to_thread(load_dataset, cfg, tokenizer)
     metrics = CoordinatorMetrics()
     store = SQLiteStore(cfg.db, sync=cfg.sync)
-    server = CoordinatorServer(cfg, store=store, manifest=manifest, corpus=corpus, metrics=metrics)
+    server = CoordinatorServer(
+        cfg,
+        store=store,
+        manifest=manifest,
+        corpus=corpus,
+        metrics=metrics,
+        tokenizer_json=tokenizer.json,
+    )
     port = await server.start()
     follow = None
     if relay is not None:  # the relay serves the live members only
@@ -142,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             "run_id",
             "n_stages",
             "dataset",
+            "text_column",
+            "tokenizer",
             "shard_tokens",
             "lease_ttl_s",
             "heartbeat_interval_s",

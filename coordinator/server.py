@@ -190,6 +190,7 @@ class CoordinatorServer:
         manifest: Manifest,
         corpus: bytes,
         metrics: CoordinatorMetrics | None = None,
+        tokenizer_json: bytes = b"",  # the run's tokenizer.json (b"": the byte tokenizer)
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics or CoordinatorMetrics()
@@ -198,6 +199,7 @@ class CoordinatorServer:
             cfg,
             manifest=manifest,
             corpus=corpus,
+            tokenizer_json=tokenizer_json,
             journal=journal,
             membership=membership,
             book=book,

@@ -23,7 +23,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.verify import PeerIds, verify
 from protocol import control as c
 from protocol.codec import schema_limits
-from protocol.corpus import Manifest, ShardInfo
+from protocol.corpus import Manifest, ShardInfo, shard_slice
 from protocol.errors import ProtocolError
 from protocol.launch import FacilityReport
 from protocol.message import Message
@@ -59,10 +59,12 @@ class Service:
         book: LeaseBook,
         metrics: CoordinatorMetrics,
         paused: bool = False,
+        tokenizer_json: bytes = b"",
     ) -> None:
         self.cfg = cfg
         self.manifest = manifest
         self.corpus = corpus
+        self.tokenizer_json = tokenizer_json  # the run's tokenizer.json (b"": bytes)
         self.journal = journal
         self.membership = membership
         self.book = book
@@ -94,6 +96,7 @@ class Service:
             c.LeaseComplete: self._complete,
             c.LeaseRelease: self._release,
             c.ShardFetch: self._shard,
+            c.TokenizerFetch: self._tokenizer,
             c.LeaveRequest: self._leave,
         }
         self._admin: dict[type[Message], Callable[..., Message]] = {
@@ -268,6 +271,8 @@ class Service:
             lease_ttl_s=cfg.lease_ttl_s,
             dataset_name=self.manifest.name,
             dataset_hash=self.manifest.content_hash,
+            vocab_size=self.manifest.vocab_size if self.tokenizer_json else 0,
+            tokenizer_hash=self.manifest.tokenizer_hash,
             shards=len(self.manifest.train),
             data_epoch=self.book.data_epoch,
             relays=list(cfg.relays),
@@ -412,8 +417,13 @@ class Service:
             return _err("not_found", f"shard {req.shard_id} is held out: it is never served")
         if info is None:
             return _err("not_found", f"no shard {req.shard_id} in the manifest")
-        data = self.corpus[info.start : info.start + info.tokens]
+        data = shard_slice(self.corpus, info, self.manifest.token_bytes)
         return c.ShardData(shard_id=info.shard_id, sha256=info.sha256, data=data)
+
+    def _tokenizer(self, peer: Peer, req: c.TokenizerFetch, now: float) -> Message:
+        if not self.tokenizer_json:
+            return _err("not_found", "the run uses the byte tokenizer: there is none to fetch")
+        return c.TokenizerData(sha256=self.manifest.tokenizer_hash, data=self.tokenizer_json)
 
     # -- admin --------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = "agora-stage-checkpoint"
 CHECKPOINT_VERSION = 1
 MOMENTUM_PREFIX = "outer_m."
+TOKENIZER_FILE = "tokenizer.json"  # the run's BPE tokenizer, beside the stage files
 _NAME = re.compile(r"^stage(\d+)\.safetensors$")
 
 
@@ -101,6 +102,14 @@ class CheckpointMeta:
         if not all(isinstance(v, int) and v >= 0 for v in ints) or meta.stage >= meta.n_stages:
             raise CheckpointError(f"{where}: bad stage/round fields in {data!r:.300}")
         return meta
+
+
+def write_tokenizer(directory: Path, data: bytes) -> Path:
+    """Write the run's tokenizer.json into the checkpoint directory (atomically)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / TOKENIZER_FILE
+    _atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    return path
 
 
 def checkpoint_paths(directory: Path, stage: int) -> tuple[Path, Path]:

@@ -354,6 +354,17 @@ class CoordinatorClient:
             raise ProtocolError(f"shard {shard_id} failed its sha256 check")
         return reply.data
 
+    async def fetch_tokenizer(self, expect_sha256: str) -> bytes:
+        """The run's tokenizer.json, checked against `expect_sha256` (RunInfo.tokenizer_hash)."""
+        reply = await self._typed(c.TokenizerFetch(), c.TokenizerData)
+        assert isinstance(reply, c.TokenizerData)
+        got = hashlib.sha256(reply.data).hexdigest()
+        if got != expect_sha256 or reply.sha256 != expect_sha256:
+            raise ProtocolError(
+                f"the tokenizer the coordinator sent hashes to {got}, the run's is {expect_sha256}"
+            )
+        return reply.data
+
     async def acquire(self, max_tokens: int | None = None) -> c.LeaseInfo | None:
         """A new lease, or None (see `LeaseGrant.reason` via `acquire_grant`)."""
         return (await self.acquire_grant(max_tokens)).lease

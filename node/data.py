@@ -1,12 +1,13 @@
-"""The torch side of the data path: corpus bytes -> token batches.
+"""The torch side of the data path: a token stream -> token batches.
 
-The byte-exact dataset contract (corpus layout, shards, sha256, held-out split) lives in
-`protocol.corpus`; this module reads the node's copy of the corpus and turns bytes into
-int64 tensors:
-- `stdlib_corpus()` and `read_user_dataset(path)` read the files and lay them out with
-  `protocol.corpus` (coordinator.dataset holds the coordinator's twin of these two).
-- `load_dataset(path)` reads the embedded stdlib corpus (path None) or a user dataset and
-  cuts it into a `protocol.corpus.Manifest` with its train and held-out bytes.
+Reading and tokenizing a dataset are `ingest`'s (the coordinator reads through it too) and
+the byte-exact contract (layouts, token width, shards, sha256, held-out split) is
+`protocol.corpus`'s; this module turns streams into tensors:
+- `load_dataset(path, tokenizer=...)` reads the embedded stdlib corpus (path None) or a
+  user dataset, tokenizes it and cuts it into a `protocol.corpus.Manifest` with its train
+  and held-out tokens.
+- `stream_tokens(chunk, token_bytes)` is a stream's ids as a numpy array (stage 0 cuts
+  leased shards with it).
 - `RandomBatches` samples training windows from the training shards (central runs).
 - `shard_batches` cuts a leased shard into consecutive micro-batches from an offset
   (the pipeline: a micro-batch is identified by (lease, offset)).
@@ -16,24 +17,24 @@ A batch is `(inputs, targets)`, both int64 [B, T]; targets are the inputs shifte
 
 from __future__ import annotations
 
-import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from ingest.corpus import load_stream
+from ingest.sources import DEFAULT_TEXT_COLUMN
+from ingest.tokenizer import RunTokenizer
 from protocol.corpus import (
     DEFAULT_HELDOUT_EVERY,
     DEFAULT_SHARD_TOKENS,
+    VOCAB_SIZE,
     Manifest,
     build_manifest,
-    embedded_corpus,
-    is_stdlib_source,
-    jsonl_corpus,
     shard_data,
-    text_files_corpus,
-    user_dataset_layout,
+    token_width,
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -43,55 +44,73 @@ MIN_SHARDS = 2 * DEFAULT_HELDOUT_EVERY  # shards a small dataset is cut into at 
 @dataclass(frozen=True, slots=True)
 class Dataset:
     manifest: Manifest
-    train: torch.Tensor  # uint8, the training shards concatenated (tokens)
-    heldout: torch.Tensor  # uint8, the held-out shards concatenated (tokens)
-    data: bytes  # the whole corpus
+    train: torch.Tensor  # the training shards' tokens concatenated (uint8 or int32)
+    heldout: torch.Tensor  # the held-out shards' tokens concatenated (uint8 or int32)
+    data: bytes  # the whole token stream
 
 
-def _read_tree(
-    root: Path, keep: Callable[[str], bool] = lambda rel: True
-) -> list[tuple[str, bytes]]:
-    """(POSIX path relative to `root`, bytes) of every file under `root` that `keep` accepts."""
-    found = ((p.relative_to(root).as_posix(), p) for p in root.rglob("*"))
-    return [(rel, p.read_bytes()) for rel, p in found if keep(rel) and p.is_file()]
+def token_dtype(vocab_size: int) -> str:
+    """The numpy dtype name of a run's token ids (on the wire and in shards)."""
+    return f"uint{8 * token_width(vocab_size)}"
 
 
-def stdlib_corpus(root: Path | None = None) -> bytes:
-    """The embedded corpus, read from this Python's standard library (or `root`)."""
-    base = Path(root or sysconfig.get_paths()["stdlib"])
-    return embedded_corpus(_read_tree(base, is_stdlib_source))
+def stream_tokens(chunk: bytes, token_bytes: int) -> np.ndarray:
+    """The ids of a token stream (read-only; uint8, uint16 or uint32 little-endian)."""
+    return np.frombuffer(chunk, dtype=np.dtype(f"<u{token_bytes}"))
 
 
-def read_user_dataset(path: Path) -> bytes:
-    """A directory of text files (sorted, recursive) or a .jsonl with a `text` field."""
-    path = Path(path)
-    if user_dataset_layout(path.name, is_dir=path.is_dir(), where=str(path)) == "text files":
-        return text_files_corpus(_read_tree(path), where=str(path))
-    with path.open("rb") as lines:
-        return jsonl_corpus(lines, where=str(path))
+def _as_tensor(chunk: bytes, token_bytes: int = 1) -> torch.Tensor:
+    ids = stream_tokens(chunk, token_bytes)
+    # bytes stay uint8; wider ids become int32, which every vocabulary fits
+    return torch.from_numpy(ids.copy() if token_bytes == 1 else ids.astype(np.int32))
 
 
-def _as_tensor(chunk: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
-
-
-def split_dataset(data: bytes, name: str, shard_tokens: int | None = None) -> Dataset:
-    """Cut `data` into shards (smaller shards for small datasets) and split it."""
+def split_dataset(
+    data: bytes,
+    name: str,
+    shard_tokens: int | None = None,
+    *,
+    vocab_size: int = VOCAB_SIZE,
+    tokenizer_hash: str = "",
+) -> Dataset:
+    """Cut the stream `data` into shards (smaller shards for small datasets) and split it."""
+    width = token_width(vocab_size)
     if shard_tokens is None:
-        shard_tokens = min(DEFAULT_SHARD_TOKENS, max(1, len(data) // MIN_SHARDS))
-    manifest = build_manifest(data, name=name, shard_tokens=shard_tokens)
-    train = b"".join(shard_data(data, s) for s in manifest.train)
-    heldout = b"".join(shard_data(data, s) for s in manifest.heldout)
+        shard_tokens = min(DEFAULT_SHARD_TOKENS, max(1, len(data) // width // MIN_SHARDS))
+    manifest = build_manifest(
+        data,
+        name=name,
+        shard_tokens=shard_tokens,
+        vocab_size=vocab_size,
+        tokenizer_hash=tokenizer_hash,
+    )
+    train = b"".join(shard_data(data, s, width) for s in manifest.train)
+    heldout = b"".join(shard_data(data, s, width) for s in manifest.heldout)
     return Dataset(
-        manifest=manifest, train=_as_tensor(train), heldout=_as_tensor(heldout), data=data
+        manifest=manifest,
+        train=_as_tensor(train, width),
+        heldout=_as_tensor(heldout, width),
+        data=data,
     )
 
 
-def load_dataset(path: Path | None = None, shard_tokens: int | None = None) -> Dataset:
-    """The embedded stdlib corpus, or a directory of text files / a .jsonl with `text`."""
-    if path is None:
-        return split_dataset(stdlib_corpus(), "stdlib", shard_tokens)
-    return split_dataset(read_user_dataset(Path(path)), Path(path).name, shard_tokens)
+def load_dataset(
+    path: Path | str | None = None,
+    shard_tokens: int | None = None,
+    *,
+    tokenizer: RunTokenizer | None = None,
+    text_column: str = DEFAULT_TEXT_COLUMN,
+) -> Dataset:
+    """The embedded stdlib corpus (None) or a user dataset, under `tokenizer` (None: bytes)."""
+    tokenizer = tokenizer or RunTokenizer.byte_level()
+    stream, name = load_stream(path, tokenizer=tokenizer, text_column=text_column)
+    return split_dataset(
+        stream,
+        name,
+        shard_tokens,
+        vocab_size=tokenizer.vocab_size,
+        tokenizer_hash=tokenizer.sha256,
+    )
 
 
 def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> Batch:
@@ -125,14 +144,15 @@ class RandomBatches:
 
 
 def shard_batches(
-    shard: bytes, batch_size: int, seq_len: int, offset: int = 0
+    shard: bytes, batch_size: int, seq_len: int, offset: int = 0, token_bytes: int = 1
 ) -> Iterator[tuple[int, Batch]]:
-    """Consecutive micro-batches of a shard from `offset`: yields (offset, batch).
+    """Consecutive micro-batches of a shard's bytes from token `offset`: yields (offset,
+    batch).
 
     Each micro-batch covers `batch_size * seq_len` tokens of the shard (windows overlap by
     one token for the targets); a tail too short for a full micro-batch is not yielded.
     """
-    data = _as_tensor(shard)
+    data = _as_tensor(shard, token_bytes)
     step = batch_size * seq_len
     pos = offset
     while pos + step + 1 <= data.numel():

@@ -57,6 +57,8 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from node.lease_progress import LeaseProgress
 from protocol.control import LeaseInfo, LeaseRef
 from protocol.lineage import Link
@@ -67,7 +69,7 @@ class Window:
     """One training sequence of a leased shard: `seq_len + 1` tokens from `start`."""
 
     lease: LeaseInfo
-    shard: bytes  # the whole shard (shared by its windows)
+    shard: np.ndarray  # the whole shard's token ids (shared by its windows)
     start: int  # token offset in the shard
 
 
@@ -127,25 +129,25 @@ class LeasePool:
         self._unresolved: int | None = None  # the round begun last, until its result
         # rounds applied alone, not yet on the canonical lineage: gen -> the state they made
         self._held: dict[int, Link] = {}
-        self._lease_shard: dict[int, bytes] = {}  # lease id -> its shard's bytes
+        self._lease_shard: dict[int, np.ndarray] = {}  # lease id -> its shard's ids
         self._fenced: set[int] = set()
         self._untaken: list[Window] = []
-        self._shards: dict[int, bytes] = {}  # shard id -> bytes, oldest first
+        self._shards: dict[int, np.ndarray] = {}  # shard id -> token ids, oldest first
 
     # --- shards ------------------------------------------------------------------------
 
-    def shard(self, shard_id: int) -> bytes | None:
-        """A cached shard's bytes, or None when it must be fetched."""
+    def shard(self, shard_id: int) -> np.ndarray | None:
+        """A cached shard's token ids, or None when it must be fetched."""
         return self._shards.get(shard_id)
 
-    def _cache(self, shard_id: int, data: bytes) -> None:
+    def _cache(self, shard_id: int, data: np.ndarray) -> None:
         if shard_id not in self._shards and len(self._shards) >= self.shard_cache:
             self._shards.pop(next(iter(self._shards)))
         self._shards[shard_id] = data
 
     # --- leases and windows --------------------------------------------------------------
 
-    def open(self, lease: LeaseInfo, shard: bytes) -> int:
+    def open(self, lease: LeaseInfo, shard: np.ndarray) -> int:
         """Hold a granted lease and cut its windows; returns how many."""
         if lease.lease_id in self.leases or lease.lease_id in self._fenced:
             raise ValueError(f"lease {lease.lease_id} is already held or was fenced")

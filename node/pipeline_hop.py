@@ -34,6 +34,7 @@ import numpy as np
 import trio
 
 from node import metrics
+from node.data import token_dtype
 from node.events import EventLog
 from node.p2p.transport import (
     PeerUnreachable,
@@ -299,10 +300,13 @@ class PipelineHop:
         if sender is None or sender.observer or sender.stage != self.peers.stage - 1:
             raise ProtocolError(f"forwards come from stage {self.peers.stage - 1} members only")
         key = f"{peer_id}/{msg.mb_id}"  # the sender's own cache entry
-        rows = msg.tokens.to_numpy(expect_dtype="uint8", expect_shape=(None, None))
+        vocab = compute.model.config.vocab_size
+        rows = msg.tokens.to_numpy(expect_dtype=token_dtype(vocab), expect_shape=(None, None))
         max_seq = compute.model.config.max_seq_len
         if not 1 <= rows.shape[0] <= self.max_rows or not 2 <= rows.shape[1] <= max_seq + 1:
             raise ProtocolError(f"token block of shape {list(rows.shape)} is out of bounds")
+        if rows.size and int(rows.max()) >= vocab:  # a target past the vocabulary
+            raise ProtocolError(f"token id {int(rows.max())} is outside the vocabulary of {vocab}")
         first = RETRIED if msg.retry else FRESH
         if compute.is_last:
             async with self.gate.turn(first):

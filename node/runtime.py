@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from node import metrics
-from node.checkpoint import CheckpointHook, GlobalState, stage_checkpointer
+from node.checkpoint import CheckpointHook, GlobalState, stage_checkpointer, write_tokenizer
 from node.config import NodeConfig
 from node.coordinator_client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from node.drain import Drain
@@ -38,6 +39,8 @@ from node.stage_compute import StageCompute, build_stage_compute
 from node.state_server import StateServer
 from node.worker import TorchWorker
 from protocol.control import HeartbeatReply, JoinReply, JoinRequest
+from protocol.corpus import VOCAB_SIZE, token_width
+from protocol.errors import ProtocolError
 from protocol.pipeline import FORWARD_PROTOCOL
 from protocol.state import STATE_PROTOCOL
 
@@ -130,6 +133,7 @@ class Node:
                     self.driver = Stage0Driver.for_node(
                         self.cfg, self.pool, hop, self.client, self.drain_state,
                         seed=self.transport.peer_id, events=self.events,
+                        token_bytes=token_width(run.vocab_size or VOCAB_SIZE),
                     )  # fmt: skip
                     self.driver.on_out_of_work = self._request_early_round
                 if self.cfg.outer_every_steps > 0:
@@ -188,7 +192,18 @@ class Node:
                                    run, self.stage, compute.model),
                 self.worker,
             )  # fmt: skip
+            if run.tokenizer_hash:
+                await self._keep_tokenizer(run.tokenizer_hash, self.cfg.checkpoint_dir)
         log.info("node: stage %d built; %.0f tokens/s measured", self.stage, self.throughput)
+
+    async def _keep_tokenizer(self, sha256: str, directory: Path) -> None:
+        """Write the run's tokenizer.json (hash-checked) beside the checkpoints, so an
+        export from them carries it; a failure costs the export that file, not the run."""
+        try:
+            data = await self.client.fetch_tokenizer(sha256)
+            await trio.to_thread.run_sync(write_tokenizer, directory, data)
+        except (CoordinatorError, CoordinatorUnavailable, ProtocolError, OSError) as exc:
+            log.warning("node: could not keep the run's tokenizer in %s: %s", directory, exc)
 
     async def _refresh_members(self, peers: PeerView) -> None:
         try:

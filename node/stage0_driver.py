@@ -35,6 +35,7 @@ from node.coordinator_client import (
     CoordinatorUnavailable,
     FencedError,
 )
+from node.data import stream_tokens
 from node.drain import Drain
 from node.events import EventLog
 from node.lease_pool import CommitRange, LeasePool, RoundFacts, Window
@@ -61,6 +62,7 @@ class Stage0Driver:
         max_tokens: int | None,  # drain after committing this many tokens (None = never)
         seed: str,  # seeds the window draws
         events: EventLog | None = None,
+        token_bytes: int = 1,  # bytes a token in the run's shards (Manifest.token_bytes)
     ) -> None:
         self.pool = pool
         self.hop = hop
@@ -72,6 +74,7 @@ class Stage0Driver:
         self.rng = random.Random(seed) if shuffle else None
         self.max_tokens = max_tokens
         self.events = events or EventLog()
+        self.token_bytes = token_bytes
         self.commit_on_finish = True  # no outer loop: commit windows once trained
         # called when no lease was granted and no window is left (e.g. to start an outer
         # round early, whose commits free the coordinator's per-peer lease cap)
@@ -96,13 +99,14 @@ class Stage0Driver:
         *,
         seed: str,
         events: EventLog | None = None,
+        token_bytes: int = 1,
     ) -> Stage0Driver:
         """The driver with a node's settings; with an outer loop, only the round that
         covers trained windows commits them."""
         driver = cls(
             pool, hop, client, drain, micro_batch=cfg.micro_batch, in_flight=cfg.in_flight,
             max_attempts=cfg.max_attempts, shuffle=cfg.shuffle_windows,
-            max_tokens=cfg.max_tokens, seed=seed, events=events,
+            max_tokens=cfg.max_tokens, seed=seed, events=events, token_bytes=token_bytes,
         )  # fmt: skip
         driver.commit_on_finish = cfg.outer_every_steps == 0
         return driver
@@ -184,7 +188,8 @@ class Stage0Driver:
                 return False
             shard = self.pool.shard(lease.shard_id)
             if shard is None:
-                shard = await self.client.fetch_shard(lease.shard_id)  # sha256-checked
+                data = await self.client.fetch_shard(lease.shard_id)  # sha256-checked
+                shard = stream_tokens(data, self.token_bytes)
             self.pool.open(lease, shard)
         log.info(
             "node: training lease %d (shard %d, tokens %d..%d, epoch %d%s)",
@@ -196,9 +201,7 @@ class Stage0Driver:
     async def _microbatch(self, batch: list[Window], slots: trio.Semaphore) -> None:
         try:
             t = self.pool.seq_len
-            rows = np.stack(
-                [np.frombuffer(w.shard, dtype=np.uint8)[w.start : w.start + t + 1] for w in batch]
-            )
+            rows = np.stack([w.shard[w.start : w.start + t + 1] for w in batch])
             first = batch[0]
             mb_id = f"{first.lease.lease_id}.{first.lease.epoch}.{first.start}"
             lease_ids = {w.lease.lease_id for w in batch}

@@ -51,6 +51,8 @@ Node-facing calls (request -> reply):
 - `LeaseRelease(lease_id, epoch)` -> `LeaseReply`: give the lease back; the shard
   returns to the queue at its committed offset with a higher fencing epoch.
 - `ShardFetch(shard_id)` -> `ShardData`: the shard's bytes and sha256 (verify it).
+- `TokenizerFetch` -> `TokenizerData`: the run's tokenizer.json and its sha256, which
+  must equal `RunInfo.tokenizer_hash` (a run of the byte tokenizer has none to fetch).
 - `LeaveRequest` -> `OkReply`: leave cleanly (releases every lease).
 - `StatusRequest` -> `StatusReply`: read-only run summary; any valid signature will do
   (an ephemeral key is fine), membership is not required. It is the one request a
@@ -334,6 +336,20 @@ class ShardData(Message):
     shard_id: int = bounded(ge=0)
     sha256: str = bounded(min_len=64, max_len=64)
     data: bytes
+
+
+MAX_TOKENIZER_BYTES = 32 << 20  # bytes of a tokenizer.json the coordinator serves
+
+
+@message("tokenizer.fetch", version=1)
+class TokenizerFetch(Message):
+    """Answered with `TokenizerData` (`ErrorReply(code="not_found")` for the byte tokenizer)."""
+
+
+@message("tokenizer.data", version=1)
+class TokenizerData(Message):
+    sha256: str = bounded(min_len=64, max_len=64)  # RunInfo.tokenizer_hash (verify it)
+    data: bytes = bounded(max_len=MAX_TOKENIZER_BYTES)  # the tokenizer.json bytes
 
 
 @message("leave", version=1)

@@ -21,6 +21,8 @@ DTYPES: dict[str, Any] = {
     "float16": np.float16,
     "int8": np.int8,
     "uint8": np.uint8,
+    "uint16": np.uint16,  # token ids of a vocabulary of up to 65536
+    "uint32": np.uint32,  # token ids of a larger vocabulary
     "int32": np.int32,
     "int64": np.int64,
 }

@@ -22,6 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "coordinator.audit:main",
         "reconcile the lease audit log (and an export's lineage); exit 1 on any finding",
     ),
+    "tokenizer": (
+        "ingest.tokenizer_cli:main",
+        "train the run's BPE tokenizer: agora tokenizer train --dataset D --vocab-size N",
+    ),
     "export": ("node.export:main", "assemble the trained model from live stage replicas"),
     "bench": ("bench.cli:main", "run a benchmark: agora bench NAME [--json FILE]"),
     "launch": ("node.launch.cli:main", "keep agora-node jobs queued on a Slurm/PBS cluster"),

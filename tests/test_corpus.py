@@ -1,32 +1,50 @@
-"""The dataset contract (protocol.corpus, pure), the two readers of the files
-(node.data and coordinator.dataset, which must agree byte for byte), and the torch side
+"""The dataset contract (protocol.corpus, pure), the reader of the files (ingest.sources,
+which node.data and coordinator.dataset both read through), and the torch side
 (node.data's batches)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import coordinator.dataset
 import node.data
 from coordinator.config import CoordinatorConfig
+from ingest.sources import read_user_documents, stdlib_documents
 from node.data import RandomBatches, eval_batches, shard_batches, split_dataset
 from protocol.corpus import (
     Manifest,
     build_manifest,
-    embedded_corpus,
+    embedded_documents,
     is_stdlib_source,
-    jsonl_corpus,
+    jsonl_documents,
+    pack_tokens,
     shard_data,
-    text_files_corpus,
+    text_files_documents,
+    token_stream,
+    token_width,
+    unpack_tokens,
     user_dataset_layout,
 )
 from protocol.errors import ProtocolError
+
+
+def embedded_corpus(sources: list[tuple[str, bytes]]) -> bytes:
+    return embedded_documents(sources).joined()
+
+
+def text_files_corpus(files: list[tuple[str, bytes]], *, where: str) -> bytes:
+    return text_files_documents(files, where=where).joined()
+
+
+def jsonl_corpus(lines: list[bytes], *, where: str) -> bytes:
+    return jsonl_documents(lines, where=where).joined()
+
 
 # --- the pure contract (protocol.corpus) ----------------------------------------------------
 
@@ -46,7 +64,7 @@ def test_embedded_corpus_is_sorted_by_path_and_skips_tests() -> None:
         b"# ==== json/__init__.py ====\ndef dumps(x):\n    pass\n\n"
         b"# ==== os.py ====\nimport sys\n\n"
     )
-    assert embedded_corpus(reversed(sources)) == data
+    assert embedded_corpus(list(reversed(sources))) == data
     newer = embedded_corpus([*sources[1:], ("os.py", b"import sys\n# a newer Python\n")])
     m_a = build_manifest(data, name="a", shard_tokens=16, heldout_every=2)
     m_b = build_manifest(newer, name="b", shard_tokens=16, heldout_every=2)
@@ -54,10 +72,17 @@ def test_embedded_corpus_is_sorted_by_path_and_skips_tests() -> None:
 
 
 def test_user_dataset_layouts() -> None:
-    assert user_dataset_layout("texts", is_dir=True, where="d") == "text files"
-    assert user_dataset_layout("x.jsonl", is_dir=False, where="x") == "jsonl"
-    with pytest.raises(ValueError, match="data.csv must be a directory of text files"):
-        user_dataset_layout("data.csv", is_dir=False, where="/d/data.csv")
+    assert user_dataset_layout("texts", entries=["a.txt"], where="d") == "text files"
+    assert user_dataset_layout("x.jsonl", entries=None, where="x") == "jsonl"
+    assert user_dataset_layout("x.parquet", entries=None, where="x") == "parquet"
+    assert user_dataset_layout("pq", entries=["a.parquet", "b/c.parquet"], where="d") == "parquet"
+    assert user_dataset_layout("mixed", entries=["a.parquet", "b.txt"], where="d") == "text files"
+    saved = ["data-00000-of-00001.arrow", "dataset_info.json", "state.json"]
+    assert user_dataset_layout("ds", entries=saved, where="d") == "datasets"
+    with pytest.raises(ValueError, match="DatasetDict: name one split"):
+        user_dataset_layout("dd", entries=["dataset_dict.json", "train/state.json"], where="dd")
+    with pytest.raises(ValueError, match="data.csv must be a directory, a .jsonl"):
+        user_dataset_layout("data.csv", entries=None, where="/d/data.csv")
     files = [("b.txt", b"second"), ("sub/a.txt", b"third"), ("a.txt", b"first")]
     assert text_files_corpus(files, where="d") == b"first\nsecond\nthird"
     # paths sort by component, as pathlib orders them: "a/b" before "a-b"
@@ -91,9 +116,53 @@ def test_manifest_shards_cover_the_corpus_and_hold_out_every_nth() -> None:
         m.shard(m.heldout[0].shard_id)
 
 
-# --- reading the files (node.data and coordinator.dataset) ----------------------------------
+def test_a_wide_token_stream_is_cut_in_tokens_not_bytes() -> None:
+    ids = [(i * 977) % 5000 for i in range(1000)]
+    stream = pack_tokens(ids, 2)
+    m = build_manifest(stream, name="t", shard_tokens=100, heldout_every=4, vocab_size=5000)
+    assert m.token_bytes == 2 and m.total_tokens == 1000 and m.vocab_size == 5000
+    assert [s.start for s in sorted(m.train + m.heldout, key=lambda s: s.shard_id)] == list(
+        range(0, 1000, 100)
+    )
+    assert unpack_tokens(shard_data(stream, m.train[1], 2), 2) == ids[100:200]
+    with pytest.raises(ProtocolError, match="sha256"):
+        shard_data(stream, m.train[1], 1)
+    with pytest.raises(ValueError, match="whole 2-byte tokens"):
+        build_manifest(stream[:-1], name="t", shard_tokens=100, vocab_size=5000)
+    assert Manifest.from_wire(m.to_wire()) == m
 
-READERS = [node.data, coordinator.dataset]
+
+def test_token_stream_ends_every_document_and_bounds_the_ids() -> None:
+    assert unpack_tokens(token_stream([[5, 6], [], [7]], end_of_text=0, vocab_size=300), 2) == [
+        5, 6, 0, 0, 7, 0,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="outside the vocabulary of 300"):
+        token_stream([[300]], end_of_text=0, vocab_size=300)
+
+
+@given(
+    st.sampled_from([256, 300, 1 << 16, (1 << 16) + 1, 1 << 20]).flatmap(
+        lambda v: st.tuples(st.just(v), st.lists(st.integers(0, v - 1), max_size=200))
+    )
+)
+def test_pack_and_unpack_tokens_round_trip(case: tuple[int, list[int]]) -> None:
+    vocab, ids = case
+    width = token_width(vocab)
+    data = pack_tokens(ids, width)
+    assert len(data) == width * len(ids) and unpack_tokens(data, width) == ids
+
+
+@given(st.binary(max_size=64), st.sampled_from([1, 2, 4]))
+def test_unpack_tokens_takes_any_bytes_or_says_why(data: bytes, width: int) -> None:
+    try:
+        ids = unpack_tokens(data, width)
+    except ValueError as exc:
+        assert "whole" in str(exc) and len(data) % width
+    else:
+        assert pack_tokens(ids, width) == data
+
+
+# --- reading the files (ingest.sources) -------------------------------------------------------
 
 
 def _fake_stdlib(root: Path, extra: str = "") -> Path:
@@ -107,11 +176,10 @@ def _fake_stdlib(root: Path, extra: str = "") -> Path:
     return root
 
 
-@pytest.mark.parametrize("reader", READERS, ids=lambda m: m.__name__)
-def test_stdlib_corpus_reads_the_sources_and_differs_between_pythons(
-    reader: ModuleType, tmp_path: Path
-) -> None:
-    stdlib_corpus: Callable[[Path], bytes] = reader.stdlib_corpus
+def test_stdlib_corpus_reads_the_sources_and_differs_between_pythons(tmp_path: Path) -> None:
+    def stdlib_corpus(root: Path) -> bytes:
+        return stdlib_documents(root).joined()
+
     a = _fake_stdlib(tmp_path / "a")
     data = stdlib_corpus(a)
     assert data.startswith(b"# ==== json/__init__.py ====\n") and b"skipped" not in data
@@ -120,9 +188,10 @@ def test_stdlib_corpus_reads_the_sources_and_differs_between_pythons(
     assert stdlib_corpus(b) != data
 
 
-@pytest.mark.parametrize("reader", READERS, ids=lambda m: m.__name__)
-def test_user_datasets(reader: ModuleType, tmp_path: Path) -> None:
-    read_user_dataset: Callable[[Path], bytes] = reader.read_user_dataset
+def test_user_datasets(tmp_path: Path) -> None:
+    def read_user_dataset(path: Path) -> bytes:
+        return read_user_documents(path).joined()
+
     d = tmp_path / "texts"
     (d / "sub").mkdir(parents=True)
     (d / "b.txt").write_text("second")
@@ -139,19 +208,29 @@ def test_user_datasets(reader: ModuleType, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no files"):
         (tmp_path / "empty").mkdir()
         read_user_dataset(tmp_path / "empty")
-    with pytest.raises(ValueError, match="directory of text files"):
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="must be a directory, a .jsonl"):
         read_user_dataset(tmp_path / "data.csv")
+    with pytest.raises(ValueError, match="does not exist"):
+        read_user_dataset(tmp_path / "missing")
 
 
-def test_node_and_coordinator_read_the_same_bytes(tmp_path: Path) -> None:
-    root = _fake_stdlib(tmp_path / "stdlib")
-    assert node.data.stdlib_corpus(root) == coordinator.dataset.stdlib_corpus(root)
+def test_directory_order_is_by_path_component(tmp_path: Path) -> None:
     for name in ("a/b", "a-b", "a/c/d", "a.b", "z"):
         (tmp_path / "ds" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "ds" / name).write_text(name)
-    got = node.data.read_user_dataset(tmp_path / "ds")
-    assert got == coordinator.dataset.read_user_dataset(tmp_path / "ds")
-    assert got == b"a/b\na/c/d\na-b\na.b\nz"
+    assert read_user_documents(tmp_path / "ds").joined() == b"a/b\na/c/d\na-b\na.b\nz"
+
+
+def test_node_and_coordinator_cut_the_same_stream(tmp_path: Path) -> None:
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "t.txt").write_bytes(bytes(range(256)) * 40)
+    cfg = CoordinatorConfig(
+        dataset=str(tmp_path / "ds"), shard_tokens=160, heldout_every=16, token_cache=""
+    )
+    manifest, data = coordinator.dataset.load_dataset(cfg)
+    ds = node.data.load_dataset(tmp_path / "ds", shard_tokens=160)
+    assert ds.data == data and ds.manifest == manifest
 
 
 def test_coordinator_cuts_the_configured_dataset(tmp_path: Path) -> None:

@@ -1,12 +1,16 @@
 """The package boundaries, checked by reading the source.
 
-The repository's packages are `protocol`, `node`, `coordinator`, `bench` and `swarmlab`
-(the local-swarm tools; the checks hold whether or not it exists yet). Their rules:
+The repository's packages are `protocol`, `ingest`, `node`, `coordinator`, `bench` and
+`swarmlab` (the local-swarm tools; the checks hold whether or not it exists yet). Their
+rules:
 
 - `protocol` is sans-I/O: it imports no torch, sockets, event loop (asyncio, trio),
   networking stack (libp2p, hivemind), file-system or OS module (os, pathlib, sysconfig,
   glob, shutil, tempfile, subprocess), and neither `node` nor `coordinator`.
-- `node` and `coordinator` never import each other; they meet only in `protocol`.
+- `ingest` (reading datasets and tokenizers from disk, for both sides) imports only
+  `protocol`: no torch, sockets, event loop or networking stack, no other package.
+- `node` and `coordinator` never import each other; they meet only in `protocol` and
+  `ingest`.
 - `coordinator` loads without torch, libp2p, hivemind or trio.
 - hivemind and libp2p cannot share a process: only `node.outer` (the outer-loop process)
   imports hivemind, and it never imports libp2p.
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("protocol", "node", "coordinator", "bench", "swarmlab")
+PACKAGES = ("protocol", "ingest", "node", "coordinator", "bench", "swarmlab")
 
 # (referring module, referenced module): the only crossings of the rules below, by name.
 ALLOWED_CROSSINGS = {
@@ -50,6 +54,8 @@ FILE_SYSTEM_AND_OS = {"os", "pathlib", "sysconfig", "glob", "shutil", "tempfile"
 BANNED: dict[str, set[str]] = {
     "protocol": {"torch", "socket", "asyncio", "trio", "libp2p", "hivemind"}
     | FILE_SYSTEM_AND_OS
+    | {"ingest", "node", "coordinator", "bench", "swarmlab", "tests"},
+    "ingest": {"torch", "socket", "asyncio", "trio", "libp2p", "hivemind"}
     | {"node", "coordinator", "bench", "swarmlab", "tests"},
     "coordinator": {"node", "torch", "libp2p", "hivemind", "trio", "bench", "swarmlab", "tests"},
     "node": {"coordinator", "bench", "swarmlab", "tests"},
@@ -190,6 +196,10 @@ TABLE = {"a": ("node.export:main", "help: not an entry"), "b": "localhost:7700"}
 
 def test_protocol_is_sans_io_and_imports_no_other_package() -> None:
     assert not _import_breaks("protocol")
+
+
+def test_ingest_imports_only_protocol_and_no_torch_or_network() -> None:
+    assert not _import_breaks("ingest")
 
 
 def test_coordinator_imports_no_node_tools_torch_libp2p_hivemind_or_trio() -> None:
