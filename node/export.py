@@ -9,6 +9,13 @@ files (node.export_assembly: one run, every stage, the newest round of each) and
 replicas of a running swarm instead (node.export_live): it joins the run as an observer,
 downloads each stage's newest global state over `/agora/state/1` and leaves.
 
+`agora export --model DIR --out OUT` reads an export of node.model's format (what
+`agora baseline --out B` writes to B/model), to convert it.
+
+`--format hf` writes, from any of the three, a Hugging Face Llama directory instead
+(node.export_hf: `LlamaForCausalLM.from_pretrained(OUT)` loads it) with the tokenizer:
+`--tokenizer FILE`, else the tokenizer.json the source has, else the byte tokenizer.
+
 This module only parses, dispatches and reports; `export_checkpoints` stays importable
 from here for callers of the checkpoint path.
 """
@@ -22,11 +29,19 @@ import os
 import sys
 from pathlib import Path
 
-from node.export_assembly import Assembled, ExportError
+from node.export_assembly import (
+    Assembled,
+    ExportError,
+    assemble_checkpoints,
+    assemble_model_dir,
+    write_lineage,
+)
 from node.export_assembly import export_checkpoints as export_checkpoints  # re-exported
+from node.model import save_export
 from protocol.state import CHUNK_ELEMENTS
 
 log = logging.getLogger(__name__)
+FORMATS = ("agora", "hf")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,8 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="agora export",
         description="Assemble the full trained model and write OUT/model.safetensors +"
         " OUT/config.json, either from per-stage checkpoints (written by agora-node"
-        " --checkpoint-dir) or from the live replicas of a running swarm (--coordinator)."
-        " Evaluate it with `agora baseline --init OUT --eval-only`.",
+        " --checkpoint-dir), from the live replicas of a running swarm (--coordinator) or"
+        " from an export directory (--model). Evaluate it with `agora baseline --init OUT"
+        " --eval-only`. With --format hf, OUT is a Hugging Face Llama directory instead"
+        " (model.safetensors, config.json, tokenizer.json, ...) that transformers'"
+        " LlamaForCausalLM.from_pretrained(OUT) and AutoTokenizer.from_pretrained(OUT) load.",
         epilog="Live export: the exporter joins the run as an observer (a member nodes"
         " serve, on no stage, never routed to or given a lease), asks every replica of"
         " each stage for its global state (theta_g of the last applied outer round; the"
@@ -51,6 +69,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--coordinator", metavar="HOST:PORT",
         help="assemble from the live replicas of the run this coordinator serves",
+    )  # fmt: skip
+    p.add_argument(
+        "--model", type=Path, metavar="DIR",
+        help="an export directory of the agora format (model.safetensors + config.json, as"
+        " `agora baseline --out B` writes to B/model), e.g. to convert it with --format hf",
+    )  # fmt: skip
+    p.add_argument(
+        "--format", choices=FORMATS, default="agora",
+        help="agora (default): model.safetensors + config.json as `agora baseline --init`"
+        " reads it; hf: a Hugging Face Llama directory (LlamaForCausalLM, with tokenizer"
+        " files), the subspace's frozen embedding folded into the token embedding",
+    )  # fmt: skip
+    p.add_argument(
+        "--tokenizer", type=Path, metavar="FILE",
+        help="with --format hf: the run's tokenizer.json (default: tokenizer.json in the"
+        " checkpoint or --model directory, else the byte tokenizer for a 256-token"
+        " vocabulary); its vocabulary must be the model's",
     )  # fmt: skip
     live = p.add_argument_group("live export (--coordinator)")
     live.add_argument(
@@ -88,9 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _export_live(args: argparse.Namespace) -> Assembled:
+def _live_assembled(args: argparse.Namespace) -> Assembled:
     # imported on use: the checkpoint path then loads neither trio nor libp2p
-    from node.export_live import LiveOptions, export_live
+    from node.export_live import LiveOptions, live_assembled
 
     opts = LiveOptions(
         identity=args.identity,
@@ -101,28 +136,66 @@ def _export_live(args: argparse.Namespace) -> Assembled:
         chunk_elements=args.chunk_elements,
         progress=not args.no_progress,
     )
-    return export_live(args.coordinator, args.out, opts)
+    return live_assembled(args.coordinator, opts)
+
+
+def _assembled(args: argparse.Namespace) -> tuple[Assembled, list[Path]]:
+    """The whole model from the chosen source, and the directories it was read from."""
+    if args.coordinator is not None:
+        return _live_assembled(args), []
+    if args.model is not None:
+        return assemble_model_dir(args.model), [args.model]
+    dirs = [p if p.is_dir() else p.parent for p in args.checkpoints]
+    return assemble_checkpoints(args.checkpoints), dirs
+
+
+def _write(args: argparse.Namespace, got: Assembled, source_dirs: list[Path]) -> str:
+    """Write `got` to --out in --format; a note on the tokenizer for the report."""
+
+    def lineage(directory: Path) -> None:
+        if got.rounds:  # a run's states (not --model): the lineage `agora audit` reads
+            write_lineage(got, directory)
+
+    if args.format == "agora":
+        save_export(got.model, got.config, args.out)
+        lineage(args.out)
+        return ""
+    from node.export_hf import resolve_tokenizer, save_hf
+
+    tokenizer, where = resolve_tokenizer(
+        got.config.vocab_size,
+        explicit=args.tokenizer,
+        served=got.tokenizer_json,
+        source_dirs=source_dirs,
+        tokenizer_hash=got.tokenizer_hash,
+    )
+    save_hf(got.model, tokenizer, args.out, extra=lineage)
+    return f" as a Hugging Face Llama directory (tokenizer: {where})"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if (args.coordinator is None) == (not args.checkpoints):
+    sources = [args.coordinator is not None, bool(args.checkpoints), args.model is not None]
+    if sum(sources) != 1:
         print(
-            "agora export: give either --checkpoints DIR [DIR ...] or --coordinator HOST:PORT",
+            "agora export: give one of --checkpoints DIR [DIR ...], --coordinator HOST:PORT"
+            " or --model DIR",
             file=sys.stderr,
         )
         return 2
+    if args.tokenizer is not None and args.format != "hf":
+        print("agora export: --tokenizer goes with --format hf", file=sys.stderr)
+        return 2
     try:
-        if args.coordinator is not None:
-            got = _export_live(args)
-        else:
-            got = export_checkpoints(args.checkpoints, args.out)
+        got, source_dirs = _assembled(args)
+        note = _write(args, got, source_dirs)
     except (ExportError, ValueError, OSError) as exc:
         print(f"agora export: {exc}", file=sys.stderr)
         return 2
     summary = {
         "out": str(args.out),
+        "format": args.format,
         "run_id": got.run_id,
         "rounds": got.rounds,
         "sources": got.sources,
@@ -131,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
-    rounds = ", ".join(f"stage {s} round {r}" for s, r in got.rounds.items())
-    print(f"exported run {got.run_id} ({rounds}) to {args.out}")
+    if got.rounds:
+        rounds = ", ".join(f"stage {s} round {r}" for s, r in got.rounds.items())
+        print(f"exported run {got.run_id} ({rounds}) to {args.out}{note}")
+    else:
+        print(f"exported {args.model} to {args.out}{note}")
     return 0

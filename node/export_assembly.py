@@ -8,8 +8,11 @@ Shared by both ways `agora export` gets its states (node.export is the command):
   given directories, checks they belong to one run (same run id, preset, seed and stage
   count) and that every stage is present, and takes the newest round of each stage when
   several replicas wrote one (`choose_stages`).
+- `assemble_model_dir` reads an export directory of node.model's format instead (what
+  `agora baseline --out OUT` writes to OUT/model), for `agora export --model DIR`.
 - `export_checkpoints` also writes `OUT/model.safetensors` + `OUT/config.json`
-  (node.model's export format).
+  (node.model's export format); `agora export --format hf` writes the same `Assembled`
+  model as a Hugging Face directory instead (node.export_hf).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from node.model import (
     ModelConfig,
     Stage,
     build_model,
+    load_export,
     load_stage_weights,
     run_model_config,
     save_export,
@@ -47,6 +51,10 @@ class Assembled:
     digests: dict[int, str] = field(default_factory=dict)  # stage -> state digest (hex)
     # stage -> the chain of (round, digest) the state descends from, ending with it
     lineages: dict[int, tuple[Link, ...]] = field(default_factory=dict)
+    tokenizer_hash: str = ""  # sha256 of the run's tokenizer.json ("" = the byte tokenizer)
+    # the run's tokenizer.json when the source served it (the live path's hook for the
+    # coordinator's tokenizer service); None = look for it elsewhere (node.export_hf)
+    tokenizer_json: bytes | None = None
 
 
 def choose_stages(checkpoints: Sequence[Checkpoint]) -> dict[int, Checkpoint]:
@@ -56,7 +64,10 @@ def choose_stages(checkpoints: Sequence[Checkpoint]) -> dict[int, Checkpoint]:
     first = checkpoints[0].meta
     for ck in checkpoints[1:]:
         m = ck.meta
-        for name in ("run_id", "preset", "seed", "n_stages", "vocab_size", "stage_layers"):
+        for name in (
+            "run_id", "preset", "seed", "n_stages", "vocab_size", "stage_layers",
+            "tokenizer_hash",
+        ):  # fmt: skip
             if getattr(m, name) != getattr(first, name):
                 raise ExportError(
                     f"{ck.path} is from another run: {name}={getattr(m, name)!r}, but"
@@ -120,6 +131,26 @@ def assemble_checkpoints(paths: Sequence[Path]) -> Assembled:
         sources={s: str(ck.path) for s, ck in sorted(chosen.items())},
         digests={s: ck.meta.digest for s, ck in sorted(chosen.items())},
         lineages={s: ck.meta.lineage for s, ck in sorted(chosen.items())},
+        tokenizer_hash=meta.tokenizer_hash,
+    )
+
+
+def assemble_model_dir(directory: Path) -> Assembled:
+    """The whole model of an export directory in node.model's format (no run: no rounds)."""
+    directory = Path(directory)
+    inner = directory / "model"  # `agora baseline --out B` writes its export to B/model
+    if not (directory / "config.json").is_file() and (inner / "config.json").is_file():
+        raise ExportError(f"{directory} holds no export; did you mean {inner}?")
+    try:
+        config, tensors = load_export(directory)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from exc
+    return Assembled(
+        config=config,
+        model=assemble({0: tensors}, config),
+        run_id="",
+        rounds={},
+        sources={0: str(directory)},
     )
 
 

@@ -13,7 +13,8 @@ The exporter is a short-lived member of the run:
    path's assembly (node.export_assembly): the flat vector is cut per parameter in
    `model.parameters()` order of `build_stage(config, stage, n_stages)` (node.checkpoint
    `split_flat`), the stages are joined into the whole model and written as
-   `model.safetensors` + `config.json`.
+   `model.safetensors` + `config.json` (or, with `--format hf`, node.export_hf's
+   Hugging Face directory).
 
 Every wait has a deadline, and a timeout names the setting that bounds it.
 """
@@ -362,8 +363,13 @@ async def _fetch_stages(
 # --- assembling -----------------------------------------------------------------------------
 
 
-def assemble_live(run: RunInfo, states: dict[int, StageState]) -> Assembled:
-    """The whole model from the downloaded flat stage states (node.export_assembly `assemble`)."""
+def assemble_live(
+    run: RunInfo, states: dict[int, StageState], tokenizer_json: bytes | None = None
+) -> Assembled:
+    """The whole model from the downloaded flat stage states (node.export_assembly `assemble`).
+
+    `tokenizer_json`: the run's tokenizer.json as the coordinator served it, for
+    `--format hf` (None: not fetched; the export then looks for it elsewhere)."""
     config = model_config(run)
     tensors: dict[int, dict[str, torch.Tensor]] = {}
     for stage, st in sorted(states.items()):
@@ -379,6 +385,8 @@ def assemble_live(run: RunInfo, states: dict[int, StageState]) -> Assembled:
         run_id=run.run_id,
         rounds={s: st.round for s, st in sorted(states.items())},
         sources={s: st.peer_id for s, st in sorted(states.items())},
+        tokenizer_hash=run.tokenizer_hash,
+        tokenizer_json=tokenizer_json,
     )
 
 
@@ -406,8 +414,8 @@ def _rich_progress() -> tuple[Any, ProgressFn]:
     return bar, hook
 
 
-def export_live(address: str, out: Path, opts: LiveOptions) -> Assembled:
-    """`agora export --coordinator`: fetch, assemble and write the export to `out`."""
+def live_assembled(address: str, opts: LiveOptions) -> Assembled:
+    """`agora export --coordinator`: fetch the live states and assemble the whole model."""
     host, port = parse_address(address)
     if opts.progress:
         bar, hook = _rich_progress()
@@ -415,7 +423,15 @@ def export_live(address: str, out: Path, opts: LiveOptions) -> Assembled:
             run, states = trio.run(fetch_live, host, port, opts, hook)
     else:
         run, states = trio.run(fetch_live, host, port, opts)
-    got = assemble_live(run, states)
+    # the hook for the coordinator's tokenizer service: the bytes it serves go to
+    # assemble_live(..., tokenizer_json=...) (not fetched yet, so --format hf falls back
+    # to --tokenizer or the byte tokenizer)
+    return assemble_live(run, states)
+
+
+def export_live(address: str, out: Path, opts: LiveOptions) -> Assembled:
+    """`live_assembled` and write node.model's export format to `out`."""
+    got = live_assembled(address, opts)
     save_export(got.model, got.config, out)
     write_lineage(got, out)  # rounds only: /agora/state/1 does not carry the chain
     return got
@@ -428,4 +444,5 @@ __all__ = [
     "assemble_live",
     "export_live",
     "fetch_live",
+    "live_assembled",
 ]
