@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ingest.tokenizer import RunTokenizer
 from node.compression import BoundaryCodec, BoundaryStats, through_boundary
 from node.data import Batch, Dataset, RandomBatches, eval_batches, load_dataset
 from node.inner_step import inner_step
@@ -304,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="agora baseline",
         description="Train the model centrally on one machine: the reference every swarm"
         " run is compared to. Writes a CSV loss curve and a PNG plot to --out, and a"
-        " summary (eval_loss in nats per byte, tokens, tokens_per_s) to --json.",
+        " summary (eval_loss in nats per token, tokens, tokens_per_s) to --json.",
     )
     p.add_argument("--config", type=Path, help="TOML file with a [baseline] table of options")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default tiny)")
@@ -318,7 +319,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compress", choices=CODECS, help="simulate stage boundaries with this codec")
     p.add_argument("--stages", type=int, help="stages to split the model into (with --compress)")
     p.add_argument("--threads", type=int, help="torch threads (default min(cpus, 8))")
-    p.add_argument("--dataset", type=Path, help="directory of text files or .jsonl with 'text'")
+    p.add_argument(
+        "--dataset",
+        help="'stdlib' (default), a directory of text files, a .jsonl, a .parquet file or"
+        " directory, or a directory written by datasets' save_to_disk",
+    )
+    p.add_argument("--text-column", default="text", help="column holding the text (default text)")
+    p.add_argument(
+        "--tokenizer", default="bytes",
+        help="'bytes' (default) or a tokenizer.json (agora tokenizer train); the model's"
+        " vocabulary is the tokenizer's",
+    )  # fmt: skip
     p.add_argument(
         "--init", type=Path, help="start from an export dir (model.safetensors + config.json)"
     )
@@ -357,12 +368,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
+        tokenizer = RunTokenizer.load(args.tokenizer)
         model_config, init = None, None
         if args.init is not None:
             model_config, init = load_export(args.init)
             if cfg.rank is not None:
                 model_config = model_config.replace(subspace_rank=cfg.rank)
-        dataset = load_dataset(args.dataset)
+        elif not tokenizer.is_bytes:
+            model_config = cfg.model_config().replace(vocab_size=tokenizer.vocab_size)
+        vocab = (model_config or cfg.model_config()).vocab_size
+        if vocab != tokenizer.vocab_size:
+            raise ValueError(
+                f"the model's vocabulary is {vocab} tokens, tokenizer {args.tokenizer}'s"
+                f" {tokenizer.vocab_size}"
+            )
+        dataset = load_dataset(args.dataset, tokenizer=tokenizer, text_column=args.text_column)
     except (ValueError, OSError, tomllib.TOMLDecodeError) as exc:
         print(f"agora baseline: {exc}", file=sys.stderr)
         return 2
@@ -392,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     full = build_stage(mcfg, 0, 1)
     full.load_state_dict({k: v for s in model.stages for k, v in s.state_dict().items()})
     save_export(full, mcfg, args.out / "model")
+    if not tokenizer.is_bytes:  # the export carries its tokenizer (agora export --format hf)
+        (args.out / "model" / "tokenizer.json").write_bytes(tokenizer.json)
     summary = {
         "eval_loss": result.eval_loss,
         "tokens": result.tokens,
@@ -416,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     print(
-        f"eval_loss {result.eval_loss:.4f} nats/byte after {result.tokens} tokens"
+        f"eval_loss {result.eval_loss:.4f} nats/token after {result.tokens} tokens"
         f" ({result.tokens_per_s:.0f} tokens/s); curve {paths['csv']}, plot {paths['png']}"
     )
     return 0
@@ -454,5 +476,5 @@ def _eval_only(
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"eval_loss {loss:.4f} nats/byte (held-out, {args.init})")
+    print(f"eval_loss {loss:.4f} nats/token (held-out, {args.init})")
     return 0

@@ -118,6 +118,11 @@ PRESETS: dict[str, ModelConfig] = {
     "bench": ModelConfig(
         d_model=512, n_layers=4, n_heads=8, d_ff=512, max_seq_len=256, subspace_rank=32
     ),
+    # The Llama-shaped family at test size (grouped-query attention, no subspace): the
+    # tests run a tokenizer, a Parquet dataset and the Hugging Face export through it.
+    "llama-tiny": ModelConfig(
+        d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=352, max_seq_len=256
+    ),
     # Llama-shaped presets for GPUs (grouped-query attention, SwiGLU of about 8/3 d, RoPE).
     # No residual subspace: run them with a non-subspace boundary codec (fp16 or int8).
     # Sizes with the byte vocabulary; a 32k-token tokenizer adds 2 x 32k x d_model. Memory
