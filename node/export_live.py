@@ -272,8 +272,9 @@ async def _join(client: CoordinatorClient, opts: LiveOptions) -> JoinReply:
 
 async def fetch_live(
     host: str, port: int, opts: LiveOptions, progress: ProgressFn | None = None
-) -> tuple[RunInfo, dict[int, StageState]]:
-    """Join as an observer, download every stage's newest global state, leave."""
+) -> tuple[RunInfo, dict[int, StageState], bytes | None]:
+    """Join as an observer, download every stage's newest global state and the run's
+    tokenizer.json (hash-checked; None for the byte tokenizer), leave."""
     from node.identity import load_or_create_key
 
     key = load_or_create_key(opts.identity) if opts.identity is not None else NodeKey.generate()
@@ -298,13 +299,19 @@ async def fetch_live(
 
 async def _session(
     host: str, port: int, key: NodeKey, opts: LiveOptions, progress: ProgressFn
-) -> tuple[RunInfo, dict[int, StageState]]:
+) -> tuple[RunInfo, dict[int, StageState], bytes | None]:
     transport = Libp2pTransport(key, P2PConfig(listen=[]))  # outbound only
     client_cfg = ClientConfig(retry_deadline_s=min(60.0, opts.timeout_s))
     async with transport.run(), CoordinatorClient(host, port, key, config=client_cfg) as client:
         joined = await _join(client, opts)
         run = joined.run
         log.info("export: joined run %s as observer %s", run.run_id, key.peer_id)
+        tokenizer = None
+        if run.tokenizer_hash:
+            try:
+                tokenizer = await client.fetch_tokenizer(run.tokenizer_hash)
+            except ProtocolError as exc:
+                raise LiveExportError(str(exc)) from exc
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client.heartbeat_loop, list)
@@ -317,7 +324,7 @@ async def _session(
                     await client.leave()
                 except (CoordinatorError, CoordinatorUnavailable) as exc:
                     log.warning("export: could not leave the run: %s", exc)
-    return run, states
+    return run, states, tokenizer
 
 
 def _first_error(exc: BaseException) -> BaseException | None:
@@ -420,13 +427,10 @@ def live_assembled(address: str, opts: LiveOptions) -> Assembled:
     if opts.progress:
         bar, hook = _rich_progress()
         with bar:
-            run, states = trio.run(fetch_live, host, port, opts, hook)
+            run, states, tokenizer = trio.run(fetch_live, host, port, opts, hook)
     else:
-        run, states = trio.run(fetch_live, host, port, opts)
-    # the hook for the coordinator's tokenizer service: the bytes it serves go to
-    # assemble_live(..., tokenizer_json=...) (not fetched yet, so --format hf falls back
-    # to --tokenizer or the byte tokenizer)
-    return assemble_live(run, states)
+        run, states, tokenizer = trio.run(fetch_live, host, port, opts)
+    return assemble_live(run, states, tokenizer_json=tokenizer)
 
 
 def export_live(address: str, out: Path, opts: LiveOptions) -> Assembled:

@@ -77,6 +77,9 @@ def test_llama_swarm_on_parquet_with_bpe_exports_to_transformers(tmp_path: Path)
         for name, stage in (("a0", 0), ("a1", 1)):
             swarm.add_node(name, stage, "--checkpoint-dir", str(ckpt / name))
         swarm.wait_for(lambda: swarm.status().committed_tokens >= 40_000, "40k tokens", 400)
+        # from the live replicas too: the export fetches the tokenizer from the coordinator
+        _agora("export", "--coordinator", swarm.address, "--format", "hf", "--no-progress",
+               "--out", str(tmp_path / "hf-live"))  # fmt: skip
         codes = swarm.stop(timeout_s=120)
     finally:
         swarm.kill_all()
@@ -108,6 +111,9 @@ def test_llama_swarm_on_parquet_with_bpe_exports_to_transformers(tmp_path: Path)
 
     untrained = evaluate_weights(config, build_stage(config, 0, 1).state_dict(), dataset, **EVAL)
     assert agora_loss < untrained - 0.3, (agora_loss, untrained)
+
+    assert (tmp_path / "hf-live" / "tokenizer.json").read_bytes() == tokenizer.json
+    _hf_heldout_loss(tmp_path / "hf-live", dataset.heldout)  # loads and evaluates
 
     # and the tokenizer travels with the export
     from transformers import AutoTokenizer
