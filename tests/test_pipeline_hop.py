@@ -250,6 +250,10 @@ def test_serving_refuses_non_members_and_bans_bad_shapes(tmp_path: Path) -> None
             block = forward(too_many, too_many_hidden)  # a well-formed forward, too big
             with pytest.raises(TransportError, match=r"shape \[5, 33\] is out of bounds"):
                 await member.request(a, [], FORWARD_PROTOCOL, block, timeout=5)
+            # token ids of another width than the run's (vocabulary 256: uint8)
+            wide = forward(good_rows.astype(np.uint16))
+            with pytest.raises(TransportError, match="dtype uint16, expected uint8"):
+                await member.request(a, [], FORWARD_PROTOCOL, wide, timeout=5)
 
         trio.run(main)
         assert s.served("a") == 0
