@@ -22,6 +22,7 @@ from typing import Any
 from protocol.corpus import VOCAB_SIZE, Documents, token_stream
 
 BYTES = "bytes"  # the `tokenizer` setting of the byte tokenizer
+TOKENIZER_FILE = "tokenizer.json"  # the file name a run's tokenizer travels under
 END_OF_TEXT = "<|endoftext|>"  # the end-of-text token `train_bpe` adds
 # end-of-text tokens recognised in a tokenizer.json trained elsewhere, in order
 END_OF_TEXT_NAMES = (END_OF_TEXT, "</s>", "<eos>", "<|end_of_text|>")

@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ingest.tokenizer import RunTokenizer
+from ingest.tokenizer import TOKENIZER_FILE, RunTokenizer
 from node.compression import BoundaryCodec, BoundaryStats, through_boundary
 from node.data import Batch, Dataset, RandomBatches, eval_batches, load_dataset
 from node.inner_step import inner_step
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     full.load_state_dict({k: v for s in model.stages for k, v in s.state_dict().items()})
     save_export(full, mcfg, args.out / "model")
     if not tokenizer.is_bytes:  # the export carries its tokenizer (agora export --format hf)
-        (args.out / "model" / "tokenizer.json").write_bytes(tokenizer.json)
+        (args.out / "model" / TOKENIZER_FILE).write_bytes(tokenizer.json)
     summary = {
         "eval_loss": result.eval_loss,
         "tokens": result.tokens,

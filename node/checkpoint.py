@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ingest.tokenizer import TOKENIZER_FILE
 from protocol.control import digest_problem
 from protocol.errors import ProtocolError
 from protocol.lineage import Link, check_lineage
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = "agora-stage-checkpoint"
 CHECKPOINT_VERSION = 1
 MOMENTUM_PREFIX = "outer_m."
-TOKENIZER_FILE = "tokenizer.json"  # the run's BPE tokenizer, beside the stage files
 _NAME = re.compile(r"^stage(\d+)\.safetensors$")
 
 

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from ingest.tokenizer import END_OF_TEXT_NAMES, TOKENIZER_FILE
 from node.model import Block, ModelConfig, Stage
 from protocol.model_config import BYTE_VOCAB
 
-TOKENIZER_FILE = "tokenizer.json"
 HF_FILES = (
     "model.safetensors",
     "config.json",
@@ -42,9 +42,6 @@ HF_FILES = (
     TOKENIZER_FILE,
     "tokenizer_config.json",
 )
-# special tokens taken as the end of text (the first the tokenizer has), as the run's
-# tokenizer loader (ingest.tokenizer) recognises them
-END_OF_TEXT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
 class HFExportError(ValueError):
