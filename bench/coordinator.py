@@ -5,8 +5,18 @@ replies go out) and `--procs` client processes over real sockets. Each client pr
 multiplexes its share of the N simulated peers over a few pipelined connections: all
 peers join, then each heartbeats once per `--interval` seconds, while `--lease-peers`
 peers per process loop acquire -> 4 commits -> next lease. Reported: sustained
-heartbeats/s, lease ops/s, p50/p99 latency (send to reply) and `restart_s`, the seconds
-from spawning a coordinator on the same database after SIGKILL to its first answer.
+heartbeats/s and lease ops/s (successful replies only; error replies are counted apart,
+by kind and code), p50/p99 latency (send to reply) of heartbeats and of lease operations
+separately (a percentile from fewer than `MIN_SAMPLES` replies is null, never a guess),
+and `restart_s`, the seconds from spawning a coordinator on the same database after
+SIGKILL to its first answer.
+
+`--capacity` finds what the coordinator can take rather than what was offered: it runs
+the load at rising heartbeat rates (doubling from `--capacity-from`, same peers) and
+reports `capacity_hb_per_s`, the highest offered rate whose heartbeats were all answered
+(at least 99 % of the offer) with a p99 under `--p99-goal-ms`, with every step's figures.
+On a machine with at least 2 CPUs the coordinator is pinned to CPU 0 and the load
+generators to the others (`--no-pin` turns it off), so the two do not share a core.
 
 CPU is reported apart for the two sides over the measured window (`coordinator_cpu`
 and `clients_cpu`, in cores: CPU seconds per wall second), so a saturated load
@@ -29,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from protocol import control as c
 from protocol.framing import FrameDecoder, frame_message
@@ -41,6 +52,9 @@ from swarmlab.procs import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_ID = "bench-coordinator"  # the bench coordinator's run; requests are signed for it
+MIN_SAMPLES = 100  # replies a p50/p99 needs; fewer give null
+P99_GOAL_MS = 50.0  # the latency a rate must keep to count as within capacity (ms)
+ANSWERED = 0.99  # fraction of the offered heartbeats that must be answered (capacity)
 
 
 class Conn:
@@ -51,9 +65,9 @@ class Conn:
         self.pending: collections.deque[tuple[float, asyncio.Future[Message] | None, str]] = (
             collections.deque()
         )
-        self.lat: list[float] = []
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.errors: collections.Counter[str] = collections.Counter()
+        self.lat: dict[str, list[float]] = collections.defaultdict(list)  # kind -> s
+        self.counts: collections.Counter[str] = collections.Counter()  # kind -> successes
+        self.errors: collections.Counter[str] = collections.Counter()  # "kind:code" -> n
         self.measure = False
 
     def send(self, key: NodeKey, body: Message, kind: str, want: bool = False):  # type: ignore[no-untyped-def]
@@ -68,11 +82,12 @@ class Conn:
         while data := await self.reader.read(1 << 16):
             for msg in dec.feed_messages(data):
                 t0, fut, kind = self.pending.popleft()
-                if isinstance(msg, c.ErrorReply):
-                    self.errors[msg.code] += 1
                 if self.measure:
-                    self.lat.append(time.perf_counter() - t0)
-                    self.counts[kind] += 1
+                    if isinstance(msg, c.ErrorReply):
+                        self.errors[f"{kind}:{msg.code}"] += 1
+                    else:
+                        self.lat[kind].append(time.perf_counter() - t0)
+                        self.counts[kind] += 1
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
@@ -142,11 +157,12 @@ async def worker(
         t.cancel()
     counts: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
-    lat: list[float] = []
+    lat: dict[str, list[float]] = collections.defaultdict(list)
     for x in cs:
         counts.update(x.counts)
         errors.update(x.errors)
-        lat += x.lat
+        for kind, values in x.lat.items():
+            lat[kind] += values
     return {
         "elapsed": elapsed,
         "counts": dict(counts),
@@ -190,6 +206,32 @@ def _cpu_at(samples: list[tuple[float, float]], t: float) -> float | None:
     return None
 
 
+def percentiles(samples: list[float]) -> tuple[float | None, float | None]:
+    """(p50, p99) in ms of latencies in seconds; (None, None) below MIN_SAMPLES."""
+    if len(samples) < MIN_SAMPLES:
+        return None, None
+    q = statistics.quantiles(samples, n=100)
+    return q[49] * 1000, q[98] * 1000
+
+
+def within_capacity(step: dict[str, Any], goal_ms: float) -> bool:
+    """Whether a load step kept up: its heartbeats answered and their p99 under the goal."""
+    p99 = step["heartbeat_p99_ms"]
+    answered = step["heartbeats_per_s"] >= ANSWERED * step["target_heartbeats_per_s"]
+    return p99 is not None and p99 < goal_ms and answered
+
+
+def capacity(steps: list[dict[str, Any]], goal_ms: float) -> float | None:
+    """The highest offered heartbeat rate of the steps that stayed within capacity."""
+    ok = [s["target_heartbeats_per_s"] for s in steps if within_capacity(s, goal_ms)]
+    return max(ok) if ok else None
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(pid, cpus)
+
+
 def run_worker(argv: list[str]) -> int:
     port, n, conns, interval, duration, lease_peers, out_path = argv
     import uvloop
@@ -201,11 +243,11 @@ def run_worker(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--worker":
-        return run_worker(argv[1:])
-    p = argparse.ArgumentParser(prog="agora bench coordinator", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="agora bench coordinator", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("--peers", type=int, default=2000, help="simulated peers (2000)")
     p.add_argument("--procs", type=int, default=2, help="client processes (2)")
     p.add_argument("--conns", type=int, default=8, help="connections per client process (8)")
@@ -217,9 +259,27 @@ def main(argv: list[str] | None = None) -> int:
         "--verify-threads", type=int, help="coordinator signature-check threads (its default)"
     )
     p.add_argument("--expiry-slack", type=float, help="coordinator expiry_slack_s (its default)")
+    p.add_argument(
+        "--capacity", action="store_true",
+        help="find the highest heartbeat rate whose p99 stays under --p99-goal-ms",
+    )  # fmt: skip
+    p.add_argument(
+        "--capacity-from", type=float, default=500.0,
+        help="first offered heartbeat rate of --capacity, per s (500); doubled each step",
+    )  # fmt: skip
+    p.add_argument("--capacity-steps", type=int, default=6, help="most --capacity steps (6)")
+    p.add_argument("--p99-goal-ms", type=float, default=P99_GOAL_MS, help="p99 goal, ms (50)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin coordinator and clients")
     p.add_argument("--json", type=Path, help="write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def measure(args: argparse.Namespace, interval: float) -> dict[str, Any]:
+    """One load step: a fresh coordinator, `args.peers` peers heartbeating every
+    `interval` s for `args.duration` s, then a SIGKILL and a timed restart."""
     env = child_env()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = not args.no_pin and len(cpus) >= 2
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         data = tmp / "data"
@@ -231,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                 "run_id": RUN_ID,
                 "dataset": str(data),
                 "shard_tokens": 16384,
-                "heartbeat_interval_s": args.interval,
-                "lease_ttl_s": max(30.0, 4 * args.interval),
+                "heartbeat_interval_s": interval,
+                "lease_ttl_s": max(30.0, 4 * interval),
                 "sync": args.sync,
                 "rate_per_peer": 1000.0,
                 "rate_burst": 1000.0,
@@ -255,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 
         coord = start()
         proc, port = coord.popen, coord.port
+        if pin:
+            _pin(proc.pid, {cpus[0]})
         per = [
             args.peers // args.procs + (1 if i < args.peers % args.procs else 0)
             for i in range(args.procs)
@@ -269,16 +331,19 @@ def main(argv: list[str] | None = None) -> int:
                     str(port),
                     str(n),
                     str(args.conns),
-                    str(args.interval),
+                    str(interval),
                     str(args.duration),
                     str(args.lease_peers),
                     str(tmp / f"w{i}.json"),
                 ],
                 cwd=REPO,
                 env=env,
-            )
+            )  # fmt: skip
             for i, n in enumerate(per)
         ]
+        if pin:
+            for w in workers:
+                _pin(w.pid, set(cpus[1:]))
         results = []
         samples: list[tuple[float, float]] = []  # (wall time, coordinator CPU seconds)
         give_up = time.monotonic() + args.duration + 600
@@ -312,44 +377,83 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = max(float(r["elapsed"]) for r in results)
     counts: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
-    lat: list[float] = []
+    lat: dict[str, list[float]] = collections.defaultdict(list)
     for r in results:
         counts.update(r["counts"])
         errors.update(r["errors"])
-        lat += r["lat"]
-    lat.sort()
-    q = statistics.quantiles(lat, n=100) if len(lat) >= 100 else [0.0] * 99
+        for kind, values in r["lat"].items():
+            lat[kind] += values
+    hb50, hb99 = percentiles(lat["heartbeat"])
+    lease50, lease99 = percentiles(lat["lease"])
     w0 = max(float(r["window"][0]) for r in results)
     w1 = min(float(r["window"][1]) for r in results)
     c0, c1 = _cpu_at(samples, w0), _cpu_at(samples, w1)
     coord_cpu = (c1 - c0) / (w1 - w0) if c0 is not None and c1 is not None and w1 > w0 else None
     clients_cpu = sum(float(r["cpu_s"]) / float(r["elapsed"]) for r in results)
-    out = {
+    answered = sum(counts.values())
+    return {
         "peers": args.peers,
+        "interval_s": interval,
+        "target_heartbeats_per_s": args.peers / interval,
         "peers_after_restart": st.peers,
         "heartbeats_per_s": counts["heartbeat"] / elapsed,
         "lease_ops_per_s": counts["lease"] / elapsed,
-        "p50_ms": q[49] * 1000,
-        "p99_ms": q[98] * 1000,
+        "heartbeat_p50_ms": hb50,
+        "heartbeat_p99_ms": hb99,
+        "lease_p50_ms": lease50,
+        "lease_p99_ms": lease99,
+        "heartbeat_samples": len(lat["heartbeat"]),
+        "lease_samples": len(lat["lease"]),
         "restart_s": restart_s,
         "duration_s": elapsed,
         "join_s": max(float(r["join_s"]) for r in results),
         "coordinator_cpu": coord_cpu,
         "clients_cpu": clients_cpu,
-        # coordinator CPU per answered request (all kinds), microseconds
+        # coordinator CPU per successful reply (all kinds), microseconds
         "coordinator_cpu_us_per_req": (
-            coord_cpu / (sum(counts.values()) / elapsed) * 1e6
-            if coord_cpu is not None and counts
-            else None
+            coord_cpu / (answered / elapsed) * 1e6 if coord_cpu is not None and answered else None
         ),
-        "verify_backend": verify_backend(),
         "errors": dict(errors),
+        "pinned": pin,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        return run_worker(argv[1:])
+    args = _parser().parse_args(argv)
+    if args.capacity:
+        steps = []
+        rate = args.capacity_from
+        for _ in range(args.capacity_steps):
+            step = measure(args, args.peers / rate)
+            steps.append(step)
+            print(
+                f"offered {rate:.0f} heartbeats/s: answered {step['heartbeats_per_s']:.0f}/s,"
+                f" p99 {step['heartbeat_p99_ms']} ms", flush=True,
+            )  # fmt: skip
+            if not within_capacity(step, args.p99_goal_ms):
+                break
+            rate *= 2
+        out = {
+            "capacity_hb_per_s": capacity(steps, args.p99_goal_ms),
+            "p99_goal_ms": args.p99_goal_ms,
+            "steps": steps,
+        }
+        at_interval = measure(args, args.interval)
+        out |= {"p99_ms": at_interval["heartbeat_p99_ms"], "at_interval": at_interval}
+    else:
+        out = measure(args, args.interval)
+        out["p99_ms"] = out["heartbeat_p99_ms"]
+    out |= {
+        "verify_backend": verify_backend(),
         "sync": args.sync,
         "verify_threads": args.verify_threads,
         "expiry_slack_s": args.expiry_slack,
         "procs": args.procs,
         "conns_per_proc": args.conns,
-        "target_heartbeats_per_s": args.peers / args.interval,
+        "min_samples": MIN_SAMPLES,
     }
     from rich.console import Console
     from rich.table import Table
@@ -358,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k, v in out.items():
+        if k in ("steps", "at_interval"):
+            continue
         table.add_row(k, f"{v:.2f}" if isinstance(v, float) else str(v))
     Console().print(table)
     if args.json:
