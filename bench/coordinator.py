@@ -146,6 +146,7 @@ async def worker(
 
     t0 = time.perf_counter()
     await asyncio.gather(heartbeats(), *(lease_loop(i) for i in range(min(lease_peers, n))))
+    sent_s = time.perf_counter() - t0  # the load's own window; replies may come after it
     deadline = time.perf_counter() + 10
     while any(x.pending for x in cs) and time.perf_counter() < deadline:
         await asyncio.sleep(0.05)
@@ -165,6 +166,7 @@ async def worker(
             lat[kind] += values
     return {
         "elapsed": elapsed,
+        "sent_s": sent_s,
         "counts": dict(counts),
         "errors": dict(errors),
         "lat": lat,
@@ -375,6 +377,9 @@ def measure(args: argparse.Namespace, interval: float) -> dict[str, Any]:
         proc2.send_signal(signal.SIGTERM)
         proc2.wait(timeout=60)
     elapsed = max(float(r["elapsed"]) for r in results)
+    # rates over the window the load was offered in (the replies still in flight at its
+    # end are counted: they answer requests sent within it)
+    window = max(float(r["sent_s"]) for r in results)
     counts: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
     lat: dict[str, list[float]] = collections.defaultdict(list)
@@ -396,8 +401,8 @@ def measure(args: argparse.Namespace, interval: float) -> dict[str, Any]:
         "interval_s": interval,
         "target_heartbeats_per_s": args.peers / interval,
         "peers_after_restart": st.peers,
-        "heartbeats_per_s": counts["heartbeat"] / elapsed,
-        "lease_ops_per_s": counts["lease"] / elapsed,
+        "heartbeats_per_s": counts["heartbeat"] / window,
+        "lease_ops_per_s": counts["lease"] / window,
         "heartbeat_p50_ms": hb50,
         "heartbeat_p99_ms": hb99,
         "lease_p50_ms": lease50,
@@ -411,7 +416,7 @@ def measure(args: argparse.Namespace, interval: float) -> dict[str, Any]:
         "clients_cpu": clients_cpu,
         # coordinator CPU per successful reply (all kinds), microseconds
         "coordinator_cpu_us_per_req": (
-            coord_cpu / (answered / elapsed) * 1e6 if coord_cpu is not None and answered else None
+            coord_cpu / (answered / window) * 1e6 if coord_cpu is not None and answered else None
         ),
         "errors": dict(errors),
         "pinned": pin,
