@@ -1,21 +1,28 @@
-"""`agora bench convergence`: centralised baseline vs the swarm at equal tokens.
+"""`agora bench convergence`: centralised baseline vs the swarm at equal tokens, per seed.
 
-Three runs on the same model preset, seed, corpus and held-out set:
-1. **central**: `node.baseline.train` on one process (the reference);
-2. **swarm**: a real coordinator and 2 stages x 2 replicas on loopback (`LocalSwarm`),
-   `subspace_int4` boundaries, DiLoCo outer rounds, trained until the coordinator has
-   committed the same number of tokens, then drained;
-3. **swarm + churn**: the same, but a replica is SIGKILLed and a fresh node started in
-   its place `--kills` times (stage 0 first, then stage 1, ...) during the run.
+For each of `--seeds N` seeds (`--seed`, `--seed`+1, ...), on the same model preset,
+corpus (`--dataset`) and held-out set:
+1. **swarm**: a real coordinator (run seed = the seed) and 2 stages x 2 replicas on
+   loopback (`LocalSwarm`), `subspace_int4` boundaries, DiLoCo outer rounds with the
+   node's defaults unless a flag says otherwise, trained until the coordinator has
+   committed `--tokens`, then drained;
+2. **swarm + churn**: the same, but a replica is SIGKILLed and a fresh node started in
+   its place `--kills` times (stage 0 first, then stage 1, ...) during the run;
+3. **central**: one `node.baseline.train` run (model and data seed = the seed) of as many
+   steps as the largest committed count of this seed's swarm runs needs, its held-out
+   loss evaluated at the step nearest to each swarm run's own committed tokens
+   (bench/convergence_stats.py), so every swarm run is compared at its own token count.
 
 A swarm's model is evaluated the way a user would get it: every node writes its stage's
 theta_g to its own `--checkpoint-dir`, `node.export` assembles the newest state of each
 stage, and `node.baseline.evaluate_weights` computes the held-out loss on the same
-batches the central run is evaluated on. The traffic numbers come from the nodes'
-Prometheus metrics (the last scrape of a killed node counts): `outer_bytes` is the sum of
-`agora_node_outer_bytes_total` (pseudo-gradient bytes sent), `ddp_equivalent_bytes` what a
-ring all-reduce of fp32 gradients at every inner step would have sent for the same inner
-steps (each replica sends `2 (R-1)/R x 4 x numel(stage)` bytes per step, R replicas).
+batches the central run is evaluated on. Each gap is `100 (swarm - central) / central`;
+the JSON has each seed's gap and their mean with a two-sided 95 % Student t interval.
+The traffic numbers come from the nodes' Prometheus metrics (the last scrape of a killed
+node counts): `outer_bytes` is the sum of `agora_node_outer_bytes_total` (pseudo-gradient
+bytes sent), `ddp_equivalent_bytes` what a ring all-reduce of fp32 gradients at every
+inner step would have sent for the same inner steps (each replica sends
+`2 (R-1)/R x 4 x numel(stage)` bytes per step, R replicas).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -32,16 +40,21 @@ from typing import Any
 
 import torch
 
-from node.baseline import TrainConfig, evaluate_weights, rich_progress, train
+from bench.convergence_stats import Interval, central_losses, central_steps, mean_interval
+from node.baseline import TrainConfig, evaluate_weights
+from node.config import NodeConfig
 from node.data import Dataset, load_dataset
 from node.export import export_checkpoints
 from node.model import build_stage, load_export, preset
+from protocol.corpus import DEFAULT_HELDOUT_EVERY
 from swarmlab.procs import workdir_path
 from swarmlab.swarm import LocalSwarm
 
 STAGES = 2
 REPLICAS = 2
 CODEC = "subspace_int4"
+STDLIB = "stdlib"
+SWARM_RUNS = (("swarm", False), ("churn", True))  # JSON key, churn
 SCRAPED = (
     "agora_node_outer_bytes_total",
     "agora_node_tokens_total",
@@ -49,18 +62,29 @@ SCRAPED = (
 )
 
 
+def _node_default(name: str) -> Any:
+    return NodeConfig.__dataclass_fields__[name].default
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="agora bench convergence",
         description="Held-out loss of the centralised baseline and of a 2-stage x 2-replica"
-        " swarm (subspace_int4, DiLoCo), without and with churn, at equal tokens; outer-step"
-        " bytes against a per-step fp32 all-reduce.",
+        " swarm (subspace_int4, DiLoCo), without and with churn, each swarm run against the"
+        " central run at its own committed tokens, over several seeds; outer-step bytes"
+        " against a per-step fp32 all-reduce.",
     )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument(
         "--preset", default="tiny",
         help="model preset (default tiny: the bench preset does not fit 15 min on 2 cores)",
     )  # fmt: skip
+    p.add_argument(
+        "--dataset", default=STDLIB,
+        help="what the coordinator's `dataset` key takes: stdlib (default), a text file or"
+        " directory, a .jsonl, a .parquet file or directory, a save_to_disk directory",
+    )  # fmt: skip
+    p.add_argument("--text-column", default="text", help="text column / .jsonl key")
     p.add_argument("--tokens", type=int, default=150_000, help="training tokens per run")
     p.add_argument("--batch-size", type=int, default=16, help="central sequences per step")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
@@ -74,7 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--outer-every-steps", type=int, default=25, help="inner steps per round (default 25)"
     )
-    p.add_argument("--outer-compression", default="uint8", help="none | fp16 | uint8")
+    p.add_argument(
+        "--outer-compression", default=None, choices=("none", "fp16", "uint8"),
+        help=f"pseudo-gradient codec (default: the node's, {_node_default('outer_compression')})",
+    )  # fmt: skip
     p.add_argument(
         "--participation-power", type=float, default=None,
         help="p of eta_r = eta min(1, tokens/target)^p (default: the node's)",
@@ -89,7 +116,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--workdir", type=workdir_path, default="bench-convergence", help="logs, state")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per swarm run")
-    p.add_argument("--seed", type=int, default=0, help="run seed")
+    p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    p.add_argument(
+        "--seeds", type=int, default=3,
+        help="seeds per setting: --seed .. --seed+N-1 (default 3; 1 gives no interval)",
+    )  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -125,26 +156,43 @@ def _node_config(args: argparse.Namespace, inner_tokens: int) -> dict[str, Any]:
     }
 
 
+def run_config(args: argparse.Namespace, dataset: Dataset, seed: int) -> dict[str, Any]:
+    """The coordinator's run.toml keys beyond `LocalSwarm`'s: the run seed, and the corpus
+    cut into the same shards as `dataset` (the central run's), so the held-out shards the
+    swarm never trains on are the ones every model is evaluated on."""
+    source = args.dataset if args.dataset == STDLIB else str(Path(args.dataset).resolve())
+    shards = dataset.manifest.train + dataset.manifest.heldout
+    return {
+        "seed": seed,
+        "dataset": source,
+        "text_column": args.text_column,
+        "shard_tokens": max(s.tokens for s in shards),
+        "heldout_every": DEFAULT_HELDOUT_EVERY,
+    }
+
+
 def _say(quiet: bool, text: str) -> None:
     if not quiet:
         print(text, flush=True)
 
 
 def run_swarm(
-    args: argparse.Namespace, dataset: Dataset, inner_tokens: int, *, churn: bool
+    args: argparse.Namespace, dataset: Dataset, inner_tokens: int, *, churn: bool, seed: int
 ) -> SwarmRun:
     label = "churn" if churn else "swarm"
-    workdir = args.workdir / label
+    workdir = args.workdir / f"seed{seed}" / label
     if workdir.exists():
-        import shutil
-
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    swarm = LocalSwarm(workdir=workdir, preset=args.preset, stages=STAGES, codec=CODEC)
+    swarm = LocalSwarm(
+        workdir=workdir, preset=args.preset, stages=STAGES, codec=CODEC,
+        run_config=run_config(args, dataset, seed),
+    )  # fmt: skip
     toml = swarm.write_node_config(**_node_config(args, inner_tokens))
     swarm.node_args = ["--config", str(toml)]
     ckpt: dict[str, Path] = {}
     last: dict[str, dict[str, float]] = {}  # node -> last scraped metrics
+    label = f"{label} seed {seed}"
 
     def add(name: str, stage: int) -> None:
         ckpt[name] = workdir / "ckpt" / name
@@ -244,95 +292,151 @@ def ddp_bytes(preset_name: str, seed: int, inner_steps: dict[int, float]) -> flo
     return total
 
 
+def _swarm_json(args: argparse.Namespace, r: SwarmRun, seed: int) -> dict[str, Any]:
+    ddp = ddp_bytes(args.preset, seed, r.inner_steps)
+    return {
+        "eval_loss": r.eval_loss,
+        "tokens_committed": r.tokens_committed,
+        "tokens_trained": r.tokens_trained,
+        "outer_bytes": r.outer_bytes,
+        "ddp_equivalent_bytes": ddp,
+        "traffic_ratio": ddp / r.outer_bytes if r.outer_bytes else None,
+        "outer_rounds": r.outer_rounds,
+        "seconds": round(r.seconds, 1),
+        "audit_clean": r.audit_clean,
+        "export_rounds": r.rounds,
+        "events": r.events,
+    }
+
+
+def run_central(
+    args: argparse.Namespace, dataset: Dataset, seed: int, counts: list[int], batch: int
+) -> dict[str, Any]:
+    """One central run to the largest of `counts`, evaluated at the step nearest to each:
+    {"steps", "tokens", "seconds", "at": {count: {"step", "tokens", "eval_loss"}}}."""
+    at = central_steps(counts, batch)
+    steps = max(at.values())
+    _say(args.quiet, f"central seed {seed}: {steps} steps of {batch} tokens, evaluated at"
+                     f" {sorted(set(at.values()))}")  # fmt: skip
+    cfg = TrainConfig(
+        preset=args.preset, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        lr=args.lr, warmup=args.warmup, seed=seed, eval_every=steps,
+        eval_batches=args.eval_batches, threads=1,
+    )  # fmt: skip
+    losses, seconds = central_losses(cfg, dataset, at.values())
+    return {
+        "steps": steps,
+        "tokens": steps * batch,
+        "seconds": round(seconds, 1),
+        "at": {c: {"step": s, "tokens": s * batch, "eval_loss": losses[s]} for c, s in at.items()},
+    }
+
+
+def _interval_json(key: str, iv: Interval | None) -> dict[str, Any]:
+    if iv is None:
+        return {}
+    return {f"{key}_mean": iv.mean, f"{key}_ci_low": iv.low, f"{key}_ci_high": iv.high}
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     runs = set(args.runs.split(","))
     if not runs <= {"central", "swarm", "churn"} or not runs:
         print(f"agora bench convergence: bad --runs {args.runs!r}", file=sys.stderr)
         return 2
+    if args.seeds < 1:
+        print(f"agora bench convergence: --seeds must be >= 1, got {args.seeds}", file=sys.stderr)
+        return 2
     torch.set_num_threads(int(os.environ.get("AGORA_TORCH_THREADS", "1")))
-    dataset = load_dataset()
+    try:
+        dataset = load_dataset(args.dataset, text_column=args.text_column)
+    except (OSError, ValueError) as exc:
+        print(f"agora bench convergence: --dataset {args.dataset!r}: {exc}", file=sys.stderr)
+        return 2
     central_tokens = args.batch_size * args.seq_len
     inner_tokens = args.inner_batch_tokens or max(args.micro_batch * args.seq_len,
                                                   central_tokens // REPLICAS)  # fmt: skip
+    seeds = list(range(args.seed, args.seed + args.seeds))
     out: dict[str, Any] = {
         "preset": args.preset,
+        "dataset": args.dataset,
+        "dataset_name": dataset.manifest.name,
+        "dataset_tokens": dataset.manifest.total_tokens,
+        "heldout_tokens": int(dataset.heldout.numel()),
+        "split": "heldout",
+        "seeds": seeds,
         "tokens_target": args.tokens,
         "stages": STAGES,
         "replicas": REPLICAS,
         "codec": CODEC,
-        "outer_compression": args.outer_compression,
+        "outer_compression": args.outer_compression or _node_default("outer_compression"),
+        "outer_compression_source": "flag" if args.outer_compression else "node default",
         "outer_every_steps": args.outer_every_steps,
         "inner_batch_tokens": inner_tokens,
         "central_batch_tokens": central_tokens,
+        "central_token_match": "committed",
         "lr": args.lr,
         "participation_power": args.participation_power,
         "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum,
         "kills": args.kills,
+        "runs": [],
     }
     t_start = time.monotonic()
     try:
-        for key, churn in (("swarm", False), ("churn", True)):
-            if key not in runs:
-                continue
-            _say(args.quiet, f"{key}: 2 stages x 2 replicas, {args.tokens:,} tokens")
-            r = run_swarm(args, dataset, inner_tokens, churn=churn)
-            sfx = "" if not churn else "_churn"
-            out[f"eval_loss_swarm{sfx}"] = r.eval_loss
-            out[f"tokens_swarm{sfx}"] = r.tokens_committed
-            out[f"tokens_trained_swarm{sfx}"] = r.tokens_trained
-            out[f"outer_bytes{sfx}"] = r.outer_bytes
-            out[f"ddp_equivalent_bytes{sfx}"] = ddp_bytes(args.preset, args.seed, r.inner_steps)
-            out[f"outer_rounds{sfx}"] = r.outer_rounds
-            out[f"seconds_swarm{sfx}"] = round(r.seconds, 1)
-            out[f"audit_clean{sfx}"] = r.audit_clean
-            out[f"export_rounds{sfx}"] = r.rounds
-            if churn:
-                out["churn_events"] = r.events
-        if "central" in runs:
-            # Equal tokens: the swarm overshoots --tokens (commits land a round at a time,
-            # the drain adds a round), and it may train windows it never commits (leases
-            # released at drain, work of killed peers). The central run trains as many
-            # tokens as the fault-free swarm's stage 0 trained, never fewer than it
-            # committed (the churn run's counts are reported).
-            tokens = max(
-                int(out.get("tokens_swarm", args.tokens)),
-                int(out.get("tokens_trained_swarm", 0)),
-            )
-            steps = max(1, round(tokens / central_tokens))
-            _say(args.quiet, f"central: {steps} steps of {central_tokens} tokens")
-            cfg = TrainConfig(
-                preset=args.preset, steps=steps, batch_size=args.batch_size,
-                seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, seed=args.seed,
-                eval_every=steps, eval_batches=args.eval_batches, threads=1,
-            )  # fmt: skip
-            if args.quiet:
-                res, _ = train(cfg, dataset)
-            else:
-                bar, hook = rich_progress(steps, "central")
-                with bar:
-                    res, _ = train(cfg, dataset, on_step=hook)
-            out.update(eval_loss_central=res.eval_loss, tokens_central=res.tokens,
-                       seconds_central=round(res.train_seconds, 1))  # fmt: skip
+        for seed in seeds:
+            row: dict[str, Any] = {"seed": seed}
+            for key, churn in SWARM_RUNS:
+                if key in runs:
+                    _say(args.quiet, f"{key} seed {seed}: 2 stages x 2 replicas, {args.tokens:,}")
+                    r = run_swarm(args, dataset, inner_tokens, churn=churn, seed=seed)
+                    row[key] = _swarm_json(args, r, seed)
+            if "central" in runs:
+                # Equal tokens: each swarm run against the central run at its own committed
+                # count (the swarm overshoots --tokens by up to a round plus the drain; a
+                # churn run commits fewer than it trains). Without a swarm run: --tokens.
+                counts = [row[k]["tokens_committed"] for k, _ in SWARM_RUNS if k in row]
+                row["central"] = run_central(
+                    args, dataset, seed, counts or [args.tokens], central_tokens
+                )
+                for k, _ in SWARM_RUNS:
+                    if k in row:
+                        ref = row["central"]["at"][row[k]["tokens_committed"]]
+                        row[k]["tokens_central"] = ref["tokens"]
+                        row[k]["eval_loss_central"] = ref["eval_loss"]
+                        row[k]["gap_pct"] = (
+                            100.0 * (row[k]["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
+                        )
+                # JSON object keys are strings
+                row["central"]["at"] = {str(c): v for c, v in row["central"]["at"].items()}
+            out["runs"].append(row)
     except KeyboardInterrupt:
         print("agora bench convergence: interrupted", file=sys.stderr)
         return 130
-    central = out.get("eval_loss_central")
-    for sfx, key in (("", "gap_pct"), ("_churn", "gap_churn_pct")):
-        swarm_loss = out.get(f"eval_loss_swarm{sfx}")
-        if central is not None and swarm_loss is not None:
-            out[key] = 100.0 * (swarm_loss - central) / central
-        if out.get(f"outer_bytes{sfx}"):
-            out[f"traffic_ratio{sfx}"] = (
-                out[f"ddp_equivalent_bytes{sfx}"] / out[f"outer_bytes{sfx}"]
-            )
+    out.update(summarise(out["runs"]))
     out["seconds_total"] = round(time.monotonic() - t_start, 1)
     _table(out)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-seed lists and mean / 95 % interval of each swarm run kind's gap and traffic
+    ratio (`gap_pct_*` fault-free, `gap_churn_pct_*` with churn; ci None with one seed)."""
+    out: dict[str, Any] = {}
+    for key, churn in SWARM_RUNS:
+        sfx = "_churn" if churn else ""
+        done = [r[key] for r in rows if key in r]
+        gaps = [d["gap_pct"] for d in done if "gap_pct" in d]
+        if gaps:
+            out[f"gap{sfx}_pct_per_seed"] = gaps
+            out.update(_interval_json(f"gap{sfx}_pct", mean_interval(gaps)))
+        ratios = [d["traffic_ratio"] for d in done if d["traffic_ratio"] is not None]
+        if ratios:
+            out.update(_interval_json(f"traffic_ratio{sfx}", mean_interval(ratios)))
+    return out
 
 
 def _stage0_trained(swarm: LocalSwarm, last: dict[str, dict[str, float]]) -> int:
@@ -351,22 +455,36 @@ def _stage0_trained(swarm: LocalSwarm, last: dict[str, dict[str, float]]) -> int
 
 
 def _table(out: dict[str, Any]) -> None:
-    def f(key: str, fmt: str = "{:.4f}") -> str:
-        v = out.get(key)
+    def f(v: Any, fmt: str = "{:.4f}") -> str:
         return "-" if v is None else fmt.format(v)
 
     print(
-        f"\nconvergence ({out['preset']}, {out['tokens_target']:,} tokens, 2 stages x 2 replicas)"
+        f"\nconvergence ({out['preset']}, {out['dataset_name']}, {out['tokens_target']:,} tokens,"
+        f" 2 stages x 2 replicas, outer {out['outer_compression']}, seeds {out['seeds']})"
     )
-    print(f"{'run':<14}{'eval loss':>11}{'gap %':>9}{'tokens':>11}{'outer MB':>10}{'DDP MB':>10}")
-    print(f"{'central':<14}{f('eval_loss_central'):>11}{'':>9}{f('tokens_central', '{:,}'):>11}")
-    for label, sfx, gap in (("swarm", "", "gap_pct"), ("swarm+churn", "_churn", "gap_churn_pct")):
-        print(
-            f"{label:<14}{f('eval_loss_swarm' + sfx):>11}{f(gap, '{:+.2f}'):>9}"
-            f"{f('tokens_swarm' + sfx, '{:,}'):>11}"
-            f"{_mb(out.get('outer_bytes' + sfx)):>10}"
-            f"{_mb(out.get('ddp_equivalent_bytes' + sfx)):>10}"
-        )
+    print(
+        f"{'seed':<6}{'run':<8}{'tokens':>10}{'central':>10}{'swarm':>9}{'gap %':>9}"
+        f"{'outer MB':>10}{'DDP MB':>10}"
+    )
+    for row in out["runs"]:
+        for key, _ in SWARM_RUNS:
+            r = row.get(key)
+            if r is None:
+                continue
+            print(
+                f"{row['seed']:<6}{key:<8}{r['tokens_committed']:>10,}"
+                f"{f(r.get('eval_loss_central')):>10}{f(r['eval_loss']):>9}"
+                f"{f(r.get('gap_pct'), '{:+.2f}'):>9}"
+                f"{_mb(r['outer_bytes']):>10}{_mb(r['ddp_equivalent_bytes']):>10}"
+            )
+        if "central" in row and not any(k in row for k, _ in SWARM_RUNS):
+            for c, ref in row["central"]["at"].items():
+                print(f"{row['seed']:<6}{'central':<8}{int(c):>10,}{f(ref['eval_loss']):>10}")
+    for label, key in (("swarm", "gap_pct"), ("churn", "gap_churn_pct")):
+        if f"{key}_mean" in out:
+            lo, hi = out[f"{key}_ci_low"], out[f"{key}_ci_high"]
+            ci = "no interval (one seed)" if lo is None else f"95 % CI [{lo:+.2f}, {hi:+.2f}]"
+            print(f"{label} gap: mean {out[key + '_mean']:+.2f} %, {ci}")
 
 
 def _mb(v: Any) -> str:

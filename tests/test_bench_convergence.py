@@ -1,0 +1,126 @@
+"""`agora bench convergence`: the statistics and sizing helpers, the central run that is
+evaluated at several token counts (it equals `node.baseline.train` at its last step),
+several seeds on a user corpus, and one smoke-sized real swarm run compared with the
+central run at the swarm's own committed tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.convergence import main, summarise
+from bench.convergence_stats import central_losses, central_steps, mean_interval, t975
+from node.baseline import TrainConfig, train
+from node.config import NodeConfig
+from node.data import load_dataset
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+SMALL = ["--batch-size", "4", "--seq-len", "64", "--eval-batches", "2", "--warmup", "2"]
+
+
+def corpus(tmp_path: Path) -> Path:
+    """A text directory no setting was tuned on: a copy of the repository's docs."""
+    out = tmp_path / "corpus"
+    shutil.copytree(DOCS, out)
+    return out
+
+
+def test_mean_interval_is_a_student_t_95_interval() -> None:
+    one = mean_interval([2.5])
+    assert (one.mean, one.low, one.high, one.n) == (2.5, None, None, 1)
+    iv = mean_interval([1.0, 2.0, 6.0])  # mean 3, s = sqrt(7), t(2) = 4.3027
+    half = 4.3027 * math.sqrt(7) / math.sqrt(3)
+    assert iv.mean == 3.0 and iv.n == 3
+    assert iv.low == pytest.approx(3 - half) and iv.high == pytest.approx(3 + half)
+    assert t975(30) == 2.0423 and t975(1000) == pytest.approx(1.9623, abs=1e-4)
+    with pytest.raises(ValueError):
+        mean_interval([])
+    with pytest.raises(ValueError):
+        mean_interval([1.0, float("nan")])
+
+
+def test_central_steps_are_the_nearest_to_each_count() -> None:
+    assert central_steps([335_872, 233_600, 1000], 2048) == {335_872: 164, 233_600: 114, 1000: 1}
+    with pytest.raises(ValueError):
+        central_steps([0], 2048)
+
+
+def test_central_run_evaluated_on_the_way_equals_train_at_its_last_step() -> None:
+    torch.set_num_threads(1)
+    dataset = load_dataset()
+    cfg = TrainConfig(
+        preset="tiny", steps=6, batch_size=2, seq_len=32, warmup=2, eval_every=6,
+        eval_batches=1, threads=1, seed=3,
+    )  # fmt: skip
+    losses, _ = central_losses(cfg, dataset, [2, 6])
+    assert set(losses) == {2, 6} and losses[2] != losses[6]
+    ref, _ = train(cfg, dataset)
+    assert losses[6] == ref.eval_loss
+
+
+def test_summarise_reports_each_seed_and_the_interval() -> None:
+    rows = [
+        {"seed": s, "swarm": {"gap_pct": g, "traffic_ratio": 100.0}}
+        for s, g in ((0, 1.0), (1, 3.0))
+    ]
+    out = summarise(rows)
+    assert out["gap_pct_per_seed"] == [1.0, 3.0] and out["gap_pct_mean"] == 2.0
+    assert out["gap_pct_ci_low"] < 2.0 < out["gap_pct_ci_high"]
+    assert "gap_churn_pct_mean" not in out
+    one = summarise(rows[:1])
+    assert one["gap_pct_ci_low"] is None and one["gap_pct_ci_high"] is None
+
+
+def test_central_runs_at_two_seeds_on_a_user_corpus(tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    data = corpus(tmp_path)
+    args = ["--runs", "central", "--seeds", "2", "--seed", "5", "--tokens", "1024"]
+    rc = main([*args, *SMALL, "--dataset", str(data), "--json", str(out), "--quiet"])
+    assert rc == 0
+    got = json.loads(out.read_text())
+    assert got["seeds"] == [5, 6] and got["dataset"] == str(data)
+    assert got["outer_compression"] == NodeConfig.__dataclass_fields__["outer_compression"].default
+    assert got["outer_compression_source"] == "node default"
+    assert [r["seed"] for r in got["runs"]] == [5, 6]
+    losses = [r["central"]["at"]["1024"]["eval_loss"] for r in got["runs"]]
+    assert all(math.isfinite(v) for v in losses) and losses[0] != losses[1]
+    assert all(r["central"]["tokens"] == 1024 for r in got["runs"])
+
+
+def test_bad_arguments_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--seeds", "0"]) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err
+    assert main(["--dataset", str(tmp_path / "missing"), "--runs", "central"]) == 2
+    assert "--dataset" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # four nodes and a coordinator start on a loaded 2-core box
+def test_smoke_swarm_against_central_at_its_own_tokens(tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    rc = main(
+        [
+            "--runs", "central,swarm", "--seeds", "1", "--seed", "1", "--tokens", "4096",
+            *SMALL, "--micro-batch", "4", "--outer-every-steps", "2",
+            "--dataset", str(corpus(tmp_path)), "--workdir", str(tmp_path / "w"),
+            "--run-timeout", "400", "--json", str(out), "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    got = json.loads(out.read_text())
+    assert got["seeds"] == [1] and got["outer_compression_source"] == "node default"
+    swarm = got["runs"][0]["swarm"]
+    assert swarm["audit_clean"] and swarm["tokens_committed"] >= 4096
+    # the central reference is at the swarm run's own committed tokens (to half a batch)
+    assert abs(swarm["tokens_central"] - swarm["tokens_committed"]) <= 4 * 64 // 2
+    central = got["runs"][0]["central"]["at"][str(swarm["tokens_committed"])]
+    assert central["eval_loss"] == swarm["eval_loss_central"]
+    assert got["gap_pct_per_seed"] == [swarm["gap_pct"]] and math.isfinite(swarm["gap_pct"])
+    assert got["gap_pct_mean"] == swarm["gap_pct"] and got["gap_pct_ci_high"] is None
+    run_toml = (tmp_path / "w" / "seed1" / "swarm" / "run.toml").read_text()
+    assert "seed = 1" in run_toml
