@@ -40,7 +40,14 @@ from typing import Any
 
 import torch
 
-from bench.convergence_stats import Interval, central_losses, central_steps, mean_interval
+from bench.convergence_stats import (
+    SPLITS,
+    Interval,
+    central_losses,
+    central_steps,
+    heldout_split,
+    mean_interval,
+)
 from node.baseline import TrainConfig, evaluate_weights
 from node.config import NodeConfig
 from node.data import Dataset, load_dataset
@@ -110,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-momentum", type=float, default=None, help="mu (default: the node's)")
     p.add_argument("--kills", type=int, default=2, help="kill+join events in the churn run")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches")
+    p.add_argument(
+        "--split", default="heldout", choices=SPLITS,
+        help="held-out shards evaluated on: heldout (all, default), validation (2nd, 4th, ..."
+        " held-out shard: for tuning), test (1st, 3rd, ...: disjoint from validation)",
+    )  # fmt: skip
     p.add_argument(
         "--runs", default="central,swarm,churn",
         help="comma-separated subset of central, swarm, churn (default all)",
@@ -353,6 +365,11 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as exc:
         print(f"agora bench convergence: --dataset {args.dataset!r}: {exc}", file=sys.stderr)
         return 2
+    try:
+        evalset = heldout_split(dataset, args.split)
+    except ValueError as exc:
+        print(f"agora bench convergence: --split {args.split}: {exc}", file=sys.stderr)
+        return 2
     central_tokens = args.batch_size * args.seq_len
     inner_tokens = args.inner_batch_tokens or max(args.micro_batch * args.seq_len,
                                                   central_tokens // REPLICAS)  # fmt: skip
@@ -362,8 +379,8 @@ def main(argv: list[str]) -> int:
         "dataset": args.dataset,
         "dataset_name": dataset.manifest.name,
         "dataset_tokens": dataset.manifest.total_tokens,
-        "heldout_tokens": int(dataset.heldout.numel()),
-        "split": "heldout",
+        "split": args.split,
+        "eval_tokens": int(evalset.heldout.numel()),
         "seeds": seeds,
         "tokens_target": args.tokens,
         "stages": STAGES,
@@ -389,7 +406,7 @@ def main(argv: list[str]) -> int:
             for key, churn in SWARM_RUNS:
                 if key in runs:
                     _say(args.quiet, f"{key} seed {seed}: 2 stages x 2 replicas, {args.tokens:,}")
-                    r = run_swarm(args, dataset, inner_tokens, churn=churn, seed=seed)
+                    r = run_swarm(args, evalset, inner_tokens, churn=churn, seed=seed)
                     row[key] = _swarm_json(args, r, seed)
             if "central" in runs:
                 # Equal tokens: each swarm run against the central run at its own committed
@@ -397,7 +414,7 @@ def main(argv: list[str]) -> int:
                 # churn run commits fewer than it trains). Without a swarm run: --tokens.
                 counts = [row[k]["tokens_committed"] for k, _ in SWARM_RUNS if k in row]
                 row["central"] = run_central(
-                    args, dataset, seed, counts or [args.tokens], central_tokens
+                    args, evalset, seed, counts or [args.tokens], central_tokens
                 )
                 for k, _ in SWARM_RUNS:
                     if k in row:

@@ -9,21 +9,30 @@
   step (same init, optimizer, schedule, data order and held-out set: its loss at
   `cfg.steps` equals `train(cfg, dataset)`'s eval loss; tests/test_bench_convergence.py
   checks it), so one run serves every token count of a seed.
+- `heldout_split(dataset, split)`: the dataset with its held-out tokens cut down to one
+  split of the held-out shards: `heldout` (all of them), `validation` (the 2nd, 4th, ...
+  held-out shard) or `test` (the 1st, 3rd, ...): validation and test are disjoint, so a
+  setting tuned on `validation` can be reported on `test` without having seen it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from node.baseline import ChainedStages, TrainConfig, evaluate, lr_at, train_step
-from node.data import Dataset, RandomBatches, eval_batches
+from node.data import Dataset, RandomBatches, eval_batches, stream_tokens
 from node.model import param_groups
+from protocol.corpus import ShardInfo, shard_data
+
+SPLITS = ("heldout", "validation", "test")
 
 # two-sided 95 % critical values of Student's t (the 0.975 quantile), df = 1..30
 _T975 = (
@@ -114,3 +123,29 @@ def central_losses(
         if on_step is not None:
             on_step(step + 1, loss)
     return losses, train_s
+
+
+def split_shards(heldout: list[ShardInfo], split: str) -> list[ShardInfo]:
+    """The held-out shards of `split` (see the module doc)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+    if split == "heldout":
+        return list(heldout)
+    if len(heldout) < 2:
+        raise ValueError(
+            f"the {split} split needs at least 2 held-out shards, the corpus has"
+            f" {len(heldout)}; use the heldout split"
+        )
+    return list(heldout[1::2] if split == "validation" else heldout[0::2])
+
+
+def heldout_split(dataset: Dataset, split: str) -> Dataset:
+    """`dataset` with `heldout` holding only the tokens of `split`'s held-out shards."""
+    shards = split_shards(dataset.manifest.heldout, split)
+    if split == "heldout":
+        return dataset
+    width = dataset.manifest.token_bytes
+    ids = stream_tokens(b"".join(shard_data(dataset.data, s, width) for s in shards), width)
+    # as node.data keeps them: bytes stay uint8, wider ids become int32
+    tokens = torch.from_numpy(ids.copy() if width == 1 else ids.astype(np.int32))
+    return dataclasses.replace(dataset, heldout=tokens)

@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from bench.convergence import main, summarise
-from bench.convergence_stats import central_losses, central_steps, mean_interval, t975
+from bench.convergence_stats import (
+    central_losses,
+    central_steps,
+    heldout_split,
+    mean_interval,
+    split_shards,
+    t975,
+)
 from node.baseline import TrainConfig, train
 from node.config import NodeConfig
 from node.data import load_dataset
@@ -63,6 +70,23 @@ def test_central_run_evaluated_on_the_way_equals_train_at_its_last_step() -> Non
     assert losses[6] == ref.eval_loss
 
 
+def test_validation_and_test_splits_are_disjoint_halves_of_the_heldout_shards(
+    tmp_path: Path,
+) -> None:
+    dataset = load_dataset(corpus(tmp_path))
+    held = dataset.manifest.heldout
+    val, test = split_shards(held, "validation"), split_shards(held, "test")
+    assert len(held) >= 2 and val and test
+    assert {s.shard_id for s in val} | {s.shard_id for s in test} == {s.shard_id for s in held}
+    assert not {s.shard_id for s in val} & {s.shard_id for s in test}
+    assert heldout_split(dataset, "heldout") is dataset
+    v, t = heldout_split(dataset, "validation"), heldout_split(dataset, "test")
+    assert v.heldout.numel() + t.heldout.numel() == dataset.heldout.numel()
+    assert v.heldout.dtype == dataset.heldout.dtype and torch.equal(v.train, dataset.train)
+    with pytest.raises(ValueError, match="at least 2 held-out shards"):
+        split_shards(held[:1], "validation")
+
+
 def test_summarise_reports_each_seed_and_the_interval() -> None:
     rows = [
         {"seed": s, "swarm": {"gap_pct": g, "traffic_ratio": 100.0}}
@@ -80,10 +104,12 @@ def test_central_runs_at_two_seeds_on_a_user_corpus(tmp_path: Path) -> None:
     out = tmp_path / "c.json"
     data = corpus(tmp_path)
     args = ["--runs", "central", "--seeds", "2", "--seed", "5", "--tokens", "1024"]
-    rc = main([*args, *SMALL, "--dataset", str(data), "--json", str(out), "--quiet"])
+    rc = main(
+        [*args, *SMALL, "--dataset", str(data), "--split", "test", "--json", str(out), "--quiet"]
+    )
     assert rc == 0
     got = json.loads(out.read_text())
-    assert got["seeds"] == [5, 6] and got["dataset"] == str(data)
+    assert got["seeds"] == [5, 6] and got["dataset"] == str(data) and got["split"] == "test"
     assert got["outer_compression"] == NodeConfig.__dataclass_fields__["outer_compression"].default
     assert got["outer_compression_source"] == "node default"
     assert [r["seed"] for r in got["runs"]] == [5, 6]
