@@ -24,11 +24,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from node.baseline import ChainedStages, TrainConfig, evaluate, lr_at, train_step
-from node.data import Dataset, RandomBatches, eval_batches, stream_tokens
+from node.data import Dataset, RandomBatches, eval_batches, tokens_tensor
 from node.model import param_groups
 from protocol.corpus import ShardInfo, shard_data
 
@@ -145,7 +144,5 @@ def heldout_split(dataset: Dataset, split: str) -> Dataset:
     if split == "heldout":
         return dataset
     width = dataset.manifest.token_bytes
-    ids = stream_tokens(b"".join(shard_data(dataset.data, s, width) for s in shards), width)
-    # as node.data keeps them: bytes stay uint8, wider ids become int32
-    tokens = torch.from_numpy(ids.copy() if width == 1 else ids.astype(np.int32))
-    return dataclasses.replace(dataset, heldout=tokens)
+    chunk = b"".join(shard_data(dataset.data, s, width) for s in shards)
+    return dataclasses.replace(dataset, heldout=tokens_tensor(chunk, width))

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench.convergence_stats import SPLITS, heldout_split
 from bench.outer_sweep_sim import (
     DATA_MODES,
     SCHEDULES,
@@ -144,6 +145,11 @@ def _parser() -> argparse.ArgumentParser:
         " sweep; --grid runs the staged default grid (flags restrict it).",
     )
     p.add_argument("--json", type=Path, help="write one row per run (and the central loss) here")
+    p.add_argument(
+        "--split", choices=SPLITS, default="validation",
+        help="held-out shards the runs are evaluated on (default validation: tuning never"
+        " reads the test half that agora bench convergence --split test reports on)",
+    )  # fmt: skip
     p.add_argument("--grid", action="store_true", help="the staged default grid (see docs)")
     p.add_argument("--eta", type=_floats, help="outer lr(s)")
     p.add_argument("--mu", type=_floats, help="outer momentum(s)")
@@ -280,7 +286,9 @@ def main(argv: list[str]) -> int:
         print(f"agora bench outer-sweep: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(int(os.environ.get("AGORA_TORCH_THREADS", "1")))
-    dataset = load_dataset()
+    # tuning reads the validation half of the held-out shards; claims (agora bench
+    # convergence --split test) the other half
+    dataset = heldout_split(load_dataset(), args.split)
     t_start = time.monotonic()
     centrals: dict[int, tuple[float, int, float]] = {}
     rows: list[dict[str, Any]] = []

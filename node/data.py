@@ -59,9 +59,10 @@ def stream_tokens(chunk: bytes, token_bytes: int) -> np.ndarray:
     return np.frombuffer(chunk, dtype=np.dtype(f"<u{token_bytes}"))
 
 
-def _as_tensor(chunk: bytes, token_bytes: int = 1) -> torch.Tensor:
+def tokens_tensor(chunk: bytes, token_bytes: int = 1) -> torch.Tensor:
+    """A stream's ids as a tensor, as `Dataset` keeps them: bytes stay uint8, wider ids
+    become int32 (which every vocabulary fits)."""
     ids = stream_tokens(chunk, token_bytes)
-    # bytes stay uint8; wider ids become int32, which every vocabulary fits
     return torch.from_numpy(ids.copy() if token_bytes == 1 else ids.astype(np.int32))
 
 
@@ -88,8 +89,8 @@ def split_dataset(
     heldout = b"".join(shard_data(data, s, width) for s in manifest.heldout)
     return Dataset(
         manifest=manifest,
-        train=_as_tensor(train, width),
-        heldout=_as_tensor(heldout, width),
+        train=tokens_tensor(train, width),
+        heldout=tokens_tensor(heldout, width),
         data=data,
     )
 
@@ -152,7 +153,7 @@ def shard_batches(
     Each micro-batch covers `batch_size * seq_len` tokens of the shard (windows overlap by
     one token for the targets); a tail too short for a full micro-batch is not yielded.
     """
-    data = _as_tensor(shard, token_bytes)
+    data = tokens_tensor(shard, token_bytes)
     step = batch_size * seq_len
     pos = offset
     while pos + step + 1 <= data.numel():
