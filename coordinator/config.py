@@ -10,6 +10,7 @@ Example `run.toml` (every key optional; flat, or under a `[coordinator]` table):
     run_id = "stdlib-small"
     model_preset = "small"
     n_stages = 2
+    stage_layers = [1, 3]       # optional: layers per stage (`agora memory` helps choose)
     dataset = "stdlib"          # or text files, .jsonl, Parquet or a `datasets` directory
     tokenizer = "bytes"         # or a tokenizer.json (`agora tokenizer train`)
     lease_ttl_s = 15.0
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.control import MAX_PEER_INFO_BYTES, MAX_PEERS_PER_PAGE
+from protocol.model_config import check_split, preset
 
 AUTH_MODES = ("open", "token", "allowlist")
 
@@ -37,6 +39,9 @@ class CoordinatorConfig:
     run_id: str = "agora-run"  # name of the run
     model_preset: str = "small"  # model preset the nodes build
     n_stages: int = 2  # pipeline stages
+    # layers of each stage (counts, summing to the preset's n_layers), so that stages fit
+    # the members' device memory (`agora memory`); None = an even split
+    stage_layers: list[int] | None = None
     codec: str = "subspace_int4"  # activation codec id
     seed: int = 0  # run seed
     stage_costs: list[float] | None = None  # relative compute per stage (default all 1.0)
@@ -139,6 +144,27 @@ class CoordinatorConfig:
                 raise ValueError(f"invalid coordinator config: {what}")
 
         need(self.n_stages >= 1, f"n_stages must be >= 1, got {self.n_stages}")
+        try:
+            n_layers = preset(self.model_preset).n_layers
+        except ValueError as exc:
+            raise ValueError(f"invalid coordinator config: model_preset: {exc}") from None
+        need(
+            self.n_stages <= n_layers,
+            f"n_stages ({self.n_stages}) must be at most the {n_layers} layers of preset"
+            f" {self.model_preset!r}",
+        )
+        if self.stage_layers is not None:
+            need(
+                isinstance(self.stage_layers, list)
+                and all(type(n) is int for n in self.stage_layers),
+                f"stage_layers must be a list of layer counts, got {self.stage_layers!r}",
+            )
+            try:
+                check_split(self.stage_layers, n_layers, self.n_stages)
+            except ValueError as exc:
+                raise ValueError(
+                    f"invalid coordinator config: {exc} (preset {self.model_preset!r})"
+                ) from None
         need(
             self.stage_costs is None
             or (len(self.stage_costs) == self.n_stages and min(self.stage_costs) > 0),

@@ -1,14 +1,17 @@
 """Membership and stage placement: the versioned view of live peers. Pure, no clock.
 
 - `join` places a peer on the stage whose aggregate throughput relative to its cost is
-  lowest (ties: fewest peers, then lowest index), unless the peer asked for a stage.
+  lowest (ties: fewest peers, then lowest index), unless the peer asked for a stage;
+  `place(allowed)` chooses among the stages the peer's device memory fits
+  (coordinator/placement.py), which the peer keeps in `Peer.fits`.
 - A heartbeat (`renew`) extends the peer's expiry to now + TTL; `expire_due` removes
   peers whose TTL lapsed. The new expiry is journaled (a narrow update) only once it is
   more than `expiry_slack_s` past the last journaled one, so the durable expiry lags
   the live one by at most the slack (see `CoordinatorConfig.expiry_slack_s`). Joins, leaves, lapses, bans and moves bump the version and
   are logged, so `delta(since)` can answer "what changed since version v".
 - `rebalance` moves one peer when the weakest stage's throughput/cost falls below
-  `ratio` times the strongest's (and the strongest stage has a peer to spare).
+  `ratio` times the strongest's (and the strongest stage has a peer to spare), never
+  one whose `fits` leaves the weakest stage out.
 - Per-stage peer counts and throughput sums are kept incrementally, so placement, a
   join and the gauges cost O(stages), not O(peers) (the sums are recomputed exactly on
   every rebalance check to shed float drift). Change a live peer's stage only through
@@ -29,7 +32,7 @@ from typing import Any
 
 from coordinator.journal import Journal
 from protocol.addrs import fit
-from protocol.control import MembershipReply, PeerInfo
+from protocol.control import DeviceMemory, MembershipReply, PeerInfo
 
 LIVE, LEFT, DEAD, BANNED = "live", "left", "dead", "banned"
 MLOG_KEEP = 100_000  # membership changes kept for deltas
@@ -56,16 +59,24 @@ class Peer:
     moved: bool = False  # not persisted: reported once in the next heartbeat reply
     saved_expires_at: float = 0.0  # not persisted: the expiry last journaled, unix seconds
     observer: bool = False  # on no stage; persisted in the addrs JSON (no schema change)
+    # the device memory it reported at join, and the stages whose need fits it (None: any
+    # stage, nothing was reported); both persisted in the addrs JSON
+    memory: DeviceMemory | None = None
+    fits: tuple[int, ...] | None = None
 
     def row(self) -> tuple[Any, ...]:
+        book: dict[str, Any] = {"p2p": self.addrs, "dht": self.dht_addrs}
+        if self.observer:
+            book["observer"] = True
+        if self.memory is not None:
+            book["memory"] = self.memory.to_wire()
+        if self.fits is not None:
+            book["fits"] = list(self.fits)
         return (
             self.peer_id,
             self.public_key,
             self.stage,
-            json.dumps(
-                {"p2p": self.addrs, "dht": self.dht_addrs}
-                | ({"observer": True} if self.observer else {})
-            ),
+            json.dumps(book),
             self.device,
             self.throughput,
             self.deadline,
@@ -82,6 +93,8 @@ class Peer:
     def from_row(cls, r: tuple[Any, ...]) -> Peer:
         (pid, pk, stage, addrs, device, thr, dl, mh, mp, fixed, joined, exp, state, drain) = r
         book = json.loads(addrs)
+        memory = book.get("memory")
+        fits = book.get("fits")
         return cls(
             pid,
             bytes(pk),
@@ -99,6 +112,8 @@ class Peer:
             state,
             bool(drain),
             observer=bool(book.get("observer", False)),
+            memory=None if memory is None else DeviceMemory.from_wire(memory),
+            fits=None if fits is None else tuple(int(k) for k in fits),
         )
 
     def info(self) -> PeerInfo:
@@ -195,14 +210,17 @@ class Membership:
         if live:
             self._account(peer, +1)
 
-    def place(self) -> int:
+    def place(self, allowed: Iterable[int] | None = None) -> int:
+        """The weakest stage among `allowed` (None: all; it must not be empty)."""
         rates, counts = self.stage_rates(), self.stage_counts()
-        return min(range(self.n_stages), key=lambda s: (rates[s], counts[s], s))
+        stages = range(self.n_stages) if allowed is None else allowed
+        return min(stages, key=lambda s: (rates[s], counts[s], s))
 
     def rebalance(self, ratio: float, busy: Callable[[str], bool]) -> Peer | None:
         """Move one peer from the strongest to the weakest stage if that stage is clearly
-        behind (rate < ratio * strongest). Peers with a fixed stage, draining peers and
-        peers for which `busy(peer_id)` is true (e.g. lease holders) stay put."""
+        behind (rate < ratio * strongest). Peers with a fixed stage, draining peers, peers
+        for which `busy(peer_id)` is true (e.g. lease holders) and peers whose device
+        memory does not fit the weakest stage (`fits`) stay put."""
         if self.n_stages < 2:
             return None
         self.resum()
@@ -216,6 +234,8 @@ class Membership:
         for p in self.live.values():
             if p.stage != hi or p.fixed_stage or p.drain or p.observer or busy(p.peer_id):
                 continue
+            if p.fits is not None and lo not in p.fits:
+                continue  # its device cannot hold the weakest stage
             t = max(p.throughput, MIN_RATE)
             new_lo, new_hi = rates[lo] + t / c_lo, rates[hi] - t / c_hi
             if min(new_lo, new_hi) <= rates[lo]:

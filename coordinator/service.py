@@ -20,6 +20,7 @@ from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError
 from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.placement import MemoryFit
 from coordinator.verify import PeerIds, verify
 from protocol import control as c
 from protocol.codec import schema_limits
@@ -27,6 +28,7 @@ from protocol.corpus import Manifest, ShardInfo, shard_slice
 from protocol.errors import ProtocolError
 from protocol.launch import FacilityReport
 from protocol.message import Message
+from protocol.model_config import run_model_config
 from protocol.signing import (
     ReplayGuard,
     SignedRequest,
@@ -87,6 +89,13 @@ class Service:
         self.committed_total = 0  # tokens committed since start (for the rate estimate)
         # queue-aware placement across HPC facilities (coordinator/facilities.py)
         self.facilities = FacilityBook(PlacementPolicy.from_config(cfg), cfg)
+        # memory-aware placement on stages (coordinator/placement.py), for the model the
+        # nodes build (RunInfo: preset, seed, vocabulary, layers per stage)
+        vocab = manifest.vocab_size if tokenizer_json else 0
+        model = run_model_config(
+            cfg.model_preset, seed=cfg.seed, vocab_size=vocab, split=cfg.stage_layers or ()
+        )
+        self.memory_fit = MemoryFit(model, cfg.n_stages)
         self._handlers: dict[type[Message], Callable[..., Message]] = {
             c.HeartbeatRequest: self._heartbeat,
             c.MembershipRequest: self._membership,
@@ -215,6 +224,12 @@ class Service:
             return _err("bad_request", f"stage {req.stage} >= n_stages {self.cfg.n_stages}")
         if req.observer and req.stage is not None:
             return _err("bad_request", "an observer is on no stage: leave `stage` unset")
+        fits = None if req.observer else self.memory_fit.stages(req.memory)
+        if fits is not None and req.memory is not None:
+            why = self.memory_fit.refusal(req.memory, fits, req.stage)
+            if why is not None:
+                log.info("join refused (no stage fits its memory) from %s: %s", peer_id, why)
+                return _err("no_stage_fits", why)
         live = self.membership.live.get(peer_id)
         if req.observer and live is not None and not live.observer:
             # the re-join below would evict a training node and fence its leases
@@ -227,7 +242,7 @@ class Service:
         if req.observer:  # listed, on no stage: never placed, routed to or given leases
             stage = self.cfg.n_stages
         else:
-            stage = req.stage if req.stage is not None else self.membership.place()
+            stage = req.stage if req.stage is not None else self.membership.place(fits)
         peer = Peer(
             peer_id=peer_id,
             public_key=key,
@@ -243,6 +258,8 @@ class Service:
             joined_at=now,
             expires_at=now + self.cfg.lease_ttl_s,
             observer=req.observer,
+            memory=req.memory,
+            fits=fits,
         )
         self.membership.join(peer)
         self.metrics.joins.inc()
@@ -277,6 +294,7 @@ class Service:
             data_epoch=self.book.data_epoch,
             relays=list(cfg.relays),
             sweep_interval_s=cfg.sweep_interval_s,
+            stage_layers=list(cfg.stage_layers or []),
         )
 
     def _heartbeat(self, peer: Peer, req: c.HeartbeatRequest, now: float) -> Message:

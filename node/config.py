@@ -27,6 +27,9 @@ class NodeConfig:
     # weights, gradients and AdamW state stay fp32 (autocast), only the matmuls run in bf16
     precision: str = "auto"
     recompute: bool = False  # recompute each block's activations in backward (less memory)
+    # device memory this node offers the run (GiB, 2**30 bytes; None = what the device has
+    # free): caps what the join reports, e.g. to share a GPU; on a CPU it is what is reported
+    memory_limit_gb: float | None = None
     identity: Path = Path("~/.config/agora/node.key")  # ed25519 seed file, created on first run
     listen: str = "/ip4/127.0.0.1/tcp/0"  # libp2p listen multiaddr (port 0 = OS-chosen)
     no_listen: bool = False  # outbound only: reachable through a relay (circuit relay v2)
@@ -82,6 +85,8 @@ class NodeConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.memory_limit_gb is not None and not 0 < self.memory_limit_gb < 1 << 20:
+            raise ValueError(f"memory_limit_gb must be > 0 (GiB), got {self.memory_limit_gb}")
         for name in (
             "micro_batch",
             "seq_len",

@@ -54,6 +54,11 @@ class NotMemberError(CoordinatorError):
     """The membership lapsed (or was never made): join again."""
 
 
+class JoinRefused(CoordinatorError):
+    """The coordinator refused the join (auth, ban, no stage fits the device's memory):
+    the node cannot take part in the run."""
+
+
 class CoordinatorUnavailable(Exception):
     """The coordinator could not be reached before the call's deadline."""
 

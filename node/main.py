@@ -3,7 +3,9 @@
 Reads its settings from `--config FILE` (TOML) with a few flags on top, creates or loads
 the node identity, joins the coordinator and trains until Ctrl-C (or SIGTERM, or its
 deadline), then drains: in-flight micro-batches finish, leases are released, the node
-leaves and exits 0. A second Ctrl-C exits at once.
+leaves and exits 0. A second Ctrl-C exits at once. A join the coordinator refuses (auth,
+ban, no stage whose memory estimate fits the device: `--memory-limit`, protocol.memory)
+exits 3 with the coordinator's reason.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from node.config import NodeConfig
+from node.coordinator_client import JoinRefused
 from node.identity import load_or_create_key, read_token_file
 from protocol.identity import NodeKey
 
@@ -48,6 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--recompute", action="store_true", default=None,
         help="recompute each layer's activations during backward: less device memory for"
         " about a third more compute",
+    )  # fmt: skip
+    p.add_argument(
+        "--memory-limit", type=float, default=None, metavar="GB",
+        help="device memory to offer the run, in GiB (default: what the device has free);"
+        " the coordinator places the node only on a stage whose estimate fits it",
     )  # fmt: skip
     p.add_argument(
         "--identity", type=Path, default=None,
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": args.device,
                 "precision": args.precision,
                 "recompute": args.recompute,
+                "memory_limit_gb": args.memory_limit,
                 "identity": args.identity,
                 "listen": args.listen,
                 "no_listen": args.no_listen,
@@ -229,6 +238,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the drain handler was installed
         log.warning("interrupted during start-up; the coordinator drops us after the TTL")
         return 130
+    except (JoinRefused, BaseExceptionGroup) as exc:
+        refused = join_refusal(exc)
+        if refused is None:
+            raise
+        print(f"agora-node: the coordinator refused the join ({refused.code}): {refused.detail}",
+              file=sys.stderr)  # fmt: skip
+        return 3
+
+
+def join_refusal(exc: BaseException) -> JoinRefused | None:
+    """The `JoinRefused` that `exc` is or (within task groups) consists of, else None."""
+    if isinstance(exc, JoinRefused):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        found = [join_refusal(e) for e in exc.exceptions]
+        if found and all(f is not None for f in found):
+            return found[0]
+    return None
 
 
 if __name__ == "__main__":

@@ -25,7 +25,12 @@ import trio
 from node import metrics
 from node.checkpoint import CheckpointHook, GlobalState, stage_checkpointer, write_tokenizer
 from node.config import NodeConfig
-from node.coordinator_client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
+from node.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorError,
+    CoordinatorUnavailable,
+    JoinRefused,
+)
 from node.drain import Drain
 from node.events import EventLog
 from node.lease_pool import LeasePool, RoundFacts
@@ -35,7 +40,7 @@ from node.peer_view import PeerView
 from node.pipeline_hop import PipelineHop
 from node.routing import Router
 from node.stage0_driver import Stage0Driver
-from node.stage_compute import StageCompute, build_stage_compute
+from node.stage_compute import StageCompute, build_stage_compute, memory_report
 from node.state_server import StateServer
 from node.worker import TorchWorker
 from protocol.control import HeartbeatReply, JoinReply, JoinRequest
@@ -92,16 +97,25 @@ class Node:
         self.drain_state.start(why)
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self.join = await self.client.join(
-            JoinRequest(
-                addrs=self.transport.listen_addrs,
-                device=self.device,
-                deadline=self.cfg.deadline,
-                stage=self.cfg.stage,
-                join_token=self.cfg.join_token,
-                metrics_port=self.cfg.metrics_port or None,
+        """Join and train until drained. A refused join (auth, ban, no stage that fits the
+        device's memory) raises `JoinRefused`: the node cannot take part."""
+        try:
+            memory = await self.worker.run(memory_report, self.cfg, self.device)
+            self.join = await self.client.join(
+                JoinRequest(
+                    addrs=self.transport.listen_addrs,
+                    device=self.device,
+                    deadline=self.cfg.deadline,
+                    stage=self.cfg.stage,
+                    join_token=self.cfg.join_token,
+                    metrics_port=self.cfg.metrics_port or None,
+                    memory=memory,
+                )
             )
-        )
+        except CoordinatorError as exc:
+            self.worker.close()
+            self.events.close()
+            raise JoinRefused(exc.code, exc.detail) from None
         run = self.join.run
         log.info(
             "node: joined run %s as %s on stage %d/%d (preset %s, codec %s)",

@@ -37,7 +37,7 @@ from node.compression import BoundaryCodec
 from node.config import NodeConfig
 from node.inner_step import inner_step
 from node.model import ModelConfig, build_stage, param_groups, run_model_config
-from protocol.control import RunInfo
+from protocol.control import MAX_DEVICE_BYTES, DeviceMemory, RunInfo
 from protocol.tensors import EncodedTensor
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,25 @@ def resolve_precision(requested: str, device: str) -> str:
     if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return "bf16"
     return "fp32"
+
+
+def memory_report(cfg: NodeConfig, device: str) -> DeviceMemory:
+    """What the join reports of this node's device memory and the settings that size a
+    stage's need of it (call on the torch worker: it may initialise CUDA). A CUDA device
+    reports `torch.cuda.mem_get_info`, capped by `memory_limit_gb`; a CPU reports the cap
+    as both total and free, or nothing (0: placed without regard to memory)."""
+    limit = MAX_DEVICE_BYTES if cfg.memory_limit_gb is None else int(cfg.memory_limit_gb * 2**30)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+    else:
+        free = total = 0 if cfg.memory_limit_gb is None else limit
+    return DeviceMemory(
+        total_bytes=min(total, limit), free_bytes=min(free, limit), cuda=dev.type == "cuda",
+        micro_batch=cfg.micro_batch, seq_len=cfg.seq_len, in_flight=cfg.in_flight,
+        activation_cache=cfg.activation_cache, precision=resolve_precision(cfg.precision, device),
+        recompute=cfg.recompute,
+    )  # fmt: skip
 
 
 def build_stage_compute(

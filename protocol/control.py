@@ -15,7 +15,10 @@ Node-facing calls (request -> reply):
   observer (`agora export`): listed in the view with `PeerInfo.observer` so peers serve
   its requests, but placed on no stage (its `stage` is `n_stages`), never routed to,
   counted as a replica or granted a lease (`LeaseGrant(reason="observer")`). Joining again with the same key replaces the
-  old membership (its leases are fenced). Fetch the dataset manifest with
+  old membership (its leases are fenced). A node that reports its device memory
+  (`JoinRequest.memory`) is placed only on a stage whose estimate (`protocol.memory`)
+  fits it: when none does, or not the `stage` it asked for, the join is refused with
+  `no_stage_fits`. Fetch the dataset manifest with
   `ManifestRequest` -> `protocol.corpus.Manifest`.
 - `HeartbeatRequest` -> `HeartbeatReply`: send every `RunInfo.heartbeat_interval_s`.
   Renews the membership and every lease the node holds. The reply lists the leases
@@ -100,6 +103,9 @@ ERROR_CODES = (
     "conflict",  # commit does not start at the committed offset, or exceeds the limit
     "rate_limited",  # too many requests from this key; back off
     "too_busy",  # connection limit reached
+    # join refused: no stage's memory estimate (protocol.memory) fits the device memory the
+    # node reported, or the stage it asked for does not; detail: the need and the memory
+    "no_stage_fits",
     "internal",  # the coordinator failed; retry later
 )
 
@@ -201,6 +207,25 @@ class StageStatus(Message):
 
 # --- node requests and replies -----------------------------------------------------------
 
+MAX_DEVICE_BYTES = 1 << 50  # bytes, upper bound on a reported device memory (1 PiB)
+
+
+@record
+class DeviceMemory(Message):
+    """A joining node's device memory and the settings that size a stage's need of it
+    (protocol.memory.NodeSettings): the coordinator places it only on a stage that fits."""
+
+    total_bytes: int = bounded(ge=0, le=MAX_DEVICE_BYTES, default=0)  # bytes; 0 = unknown
+    # bytes free for the stage (capped by --memory-limit); 0 = unknown: placed as before
+    free_bytes: int = bounded(ge=0, le=MAX_DEVICE_BYTES, default=0)
+    cuda: bool = False  # a CUDA device (its context and workspaces are counted too)
+    micro_batch: int = bounded(ge=1, le=1 << 16, default=8)  # sequences per micro-batch
+    seq_len: int = bounded(ge=1, le=1 << 20, default=128)  # tokens per sequence
+    in_flight: int = bounded(ge=1, le=1 << 16, default=4)  # micro-batches (stage 0)
+    activation_cache: int = bounded(ge=1, le=1 << 16, default=16)  # micro-batches kept
+    precision: str = bounded(choices=("fp32", "bf16"), default="fp32")  # resolved
+    recompute: bool = False  # activations recomputed in backward
+
 
 @message("join", version=1)
 class JoinRequest(Message):
@@ -225,6 +250,8 @@ class JoinRequest(Message):
     # requests) but on no stage, never routed to, never given a lease; `stage` must be
     # unset and the reply's stage is `RunInfo.n_stages`. Auth modes apply as to any join.
     observer: bool = False
+    # the device's memory (None: not reported, as by older nodes: placed without it)
+    memory: DeviceMemory | None = None
 
 
 @message("join.reply", version=1)

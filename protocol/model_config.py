@@ -125,10 +125,10 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # Llama-shaped presets for GPUs (grouped-query attention, SwiGLU of about 8/3 d, RoPE).
     # No residual subspace: run them with a non-subspace boundary codec (fp16 or int8).
-    # Sizes with the byte vocabulary; a 32k-token tokenizer adds 2 x 32k x d_model. Memory
-    # estimates (not measured on a GPU yet): 16 bytes a parameter (fp32 weights, gradients,
-    # AdamW's two moments) plus activations; the outer loop's copies stay in CPU memory.
-    # 76M (125M with 32k tokens): fits an 8 GB consumer GPU with room for activations.
+    # Sizes with the byte vocabulary; a 32k-token tokenizer adds 2 x 32k x d_model. Device
+    # memory per stage: protocol.memory (`agora memory`); the figures below are its
+    # estimates at the node's defaults with bf16 (largest stage; README.md, "consumer GPU").
+    # 76M (125M with 32k tokens): the whole model needs 2.7 GiB, an 8 GB card holds it.
     "llama-125m": ModelConfig(
         d_model=768,
         n_layers=12,
@@ -138,7 +138,7 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=2048,
         rope_base=10000.0,
     ),  # fmt: skip
-    # 284M (349M with 32k tokens): one stage of two fits a 12 GB card.
+    # 284M (349M with 32k tokens): whole 8.3 GiB (12 GB card), a stage of two 7.3 GiB.
     "llama-350m": ModelConfig(
         d_model=1024,
         n_layers=24,
@@ -148,8 +148,8 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=2048,
         rope_base=10000.0,
     ),  # fmt: skip
-    # 974M (1.1B with 32k tokens; Llama 3.2 1B's shape): a stage of four fits a 12 GB card,
-    # a stage of two a 24 GB one.
+    # 974M (1.1B with 32k tokens; Llama 3.2 1B's shape): a stage of two 18.8 GiB (24 GB
+    # card); a stage of four 6.7 GiB with --recompute (8 GB).
     "llama-1b": ModelConfig(
         d_model=2048,
         n_layers=16,

@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "train the run's BPE tokenizer: agora tokenizer train --dataset D --vocab-size N",
     ),
     "export": ("node.export:main", "assemble the trained model from live stage replicas"),
+    "memory": (
+        "coordinator.memory_cli:main",
+        "estimate each stage's GPU memory and which 8/12/24 GB cards hold it",
+    ),
     "bench": ("bench.cli:main", "run a benchmark: agora bench NAME [--json FILE]"),
     "launch": ("node.launch.cli:main", "keep agora-node jobs queued on a Slurm/PBS cluster"),
     "chaos": (

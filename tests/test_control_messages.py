@@ -55,6 +55,9 @@ SAMPLES: list[Message] = [
         stage=1,
         join_token="t",
         metrics_port=9100,
+        memory=c.DeviceMemory(
+            total_bytes=12 << 30, free_bytes=11 << 30, cuda=True, precision="bf16", recompute=True
+        ),
     ),
     c.JoinReply(peer_id="12D3Koo", stage=0, run=RUN, membership_version=7),
     c.HeartbeatRequest(leases=[c.LeaseRef(lease_id=3, epoch=2)], throughput=5.0),
@@ -117,6 +120,10 @@ def test_every_request_type_has_a_sample() -> None:
         {"t": "lease.commit", "v": 1, "lease_id": 1, "epoch": -1, "start": 0, "end": 1},
         {"t": "join", "v": 1, "addrs": ["a"] * 17},
         {"t": "join", "v": 1, "throughput": float("nan")},
+        {"t": "join", "v": 1, "memory": {"free_bytes": -1}},
+        {"t": "join", "v": 1, "memory": {"free_bytes": 1 << 60}},
+        {"t": "join", "v": 1, "memory": {"micro_batch": 0}},
+        {"t": "join", "v": 1, "memory": {"precision": "fp8"}},
         {"t": "heartbeat", "v": 1, "leases": [{"lease_id": "1", "epoch": 0}]},
         {"t": "shard.data", "v": 1, "shard_id": 1, "sha256": "x", "data": b""},
     ],
