@@ -259,7 +259,6 @@ def run_swarm(
                 _say(args.quiet, f"  >>> {events[-1]}")
         scrape()
         codes = swarm.stop_nodes(timeout_s=120.0)
-        committed = swarm.status().committed_tokens
         swarm.stop_coordinator()
     finally:
         swarm.kill_all()
@@ -268,6 +267,11 @@ def run_swarm(
     if bad:
         raise RuntimeError(f"{label}: nodes exited badly {bad}")
     audit = swarm.audit()
+    # every data epoch's commits (the status counts only the current epoch's, which
+    # restarts at 0 when a small corpus is used up)
+    committed = audit.committed_tokens
+    if committed < 1:
+        raise RuntimeError(f"{label}: the swarm committed no tokens (audit: {audit.epochs})")
     export_dir = workdir / "export"
     # a node killed before its first applied round never wrote a checkpoint
     got = export_checkpoints([d for d in ckpt.values() if d.is_dir()], export_dir)
