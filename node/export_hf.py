@@ -33,7 +33,7 @@ import torch
 
 from ingest.tokenizer import END_OF_TEXT_NAMES, TOKENIZER_FILE
 from node.model import Block, ModelConfig, Stage
-from protocol.model_config import BYTE_VOCAB
+from protocol.corpus import VOCAB_SIZE
 
 HF_FILES = (
     "model.safetensors",
@@ -138,13 +138,13 @@ def resolve_tokenizer(
         data, where = served, "the tokenizer.json the source served"
     elif (found := _source_tokenizer(source_dirs)) is not None:
         data, where = found.read_bytes(), str(found)
-    elif vocab_size == BYTE_VOCAB and not tokenizer_hash:
+    elif vocab_size == VOCAB_SIZE and not tokenizer_hash:
         data, where = byte_tokenizer_json(), "the byte tokenizer"
     else:
         looked = ", ".join(str(d / TOKENIZER_FILE) for d in source_dirs) or "no source directory"
         run = f" (the run's has sha256 {tokenizer_hash})" if tokenizer_hash else ""
         raise HFExportError(
-            f"the model's vocab_size is {vocab_size}, not the byte tokenizer's {BYTE_VOCAB},"
+            f"the model's vocab_size is {vocab_size}, not the byte tokenizer's {VOCAB_SIZE},"
             f" and no tokenizer.json was found ({looked}); give the run's tokenizer with"
             f" --tokenizer FILE{run}"
         )

@@ -40,16 +40,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from node.subspace import Subspace, derive_seed, make_subspace, project_
-from protocol.model_config import (
-    PRESETS,
-    VOCAB_SIZE,
-    ModelConfig,
-    preset,
-    run_model_config,
-    stage_layers,
-)
+from protocol.model_config import PRESETS, ModelConfig, preset, run_model_config, stage_layers
 
-__all__ = ["PRESETS", "VOCAB_SIZE", "ModelConfig", "preset", "run_model_config", "stage_layers"]
+# node code reaches the model's shape through this module
+__all__ = ["PRESETS", "ModelConfig", "preset", "run_model_config", "stage_layers"]
 EXPORT_FORMAT = "agora-model"
 EXPORT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-BYTE_VOCAB = 256  # the byte tokenizer's vocabulary (tokens)
-VOCAB_SIZE = BYTE_VOCAB
+from protocol.corpus import VOCAB_SIZE  # the byte tokenizer's vocabulary (tokens)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
