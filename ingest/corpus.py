@@ -38,6 +38,20 @@ def documents_hash(documents: Documents) -> str:
     return h.hexdigest()
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in its directory and a rename, so a
+    reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _cached_stream(
     documents: Documents,
     tokenizer: RunTokenizer,
@@ -54,15 +68,7 @@ def _cached_stream(
         log.info("corpus: token stream from the cache %s", path)
         return path.read_bytes()
     stream = tokenizer.stream(documents, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(stream)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, stream)
     log.info("corpus: cached the token stream in %s", path)
     return stream
 

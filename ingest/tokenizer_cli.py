@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
+from ingest.corpus import write_atomic
 from ingest.sources import DEFAULT_TEXT_COLUMN, read_documents
 from ingest.tokenizer import END_OF_TEXT, MAX_BPE_VOCAB, MIN_BPE_VOCAB, RunTokenizer, train_bpe
 
@@ -49,18 +48,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def train(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.force:
         print(f"agora tokenizer: {args.out} exists; pass --force to replace it", file=sys.stderr)
@@ -73,7 +60,7 @@ def train(args: argparse.Namespace) -> int:
     tok = RunTokenizer.from_json(data, where=str(args.out))
     sample = documents.docs[:SAMPLE_DOCS]
     ids = sum(len(tok.encode(d.decode("utf-8", errors="replace"))) for d in sample)
-    _write(args.out, data)
+    write_atomic(args.out, data)
     summary = {
         "out": str(args.out),
         "vocab_size": tok.vocab_size,
