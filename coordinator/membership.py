@@ -16,6 +16,9 @@
   join and the gauges cost O(stages), not O(peers) (the sums are recomputed exactly on
   every rebalance check to shed float drift). Change a live peer's stage only through
   `move`.
+- Announced addresses are kept as `protocol.addrs.observed` rewrites them from the
+  source IP the member's join came from (`Peer.metrics_host`): no wildcard, no
+  loopback address from another host, the observed IP first.
 - Observers (`agora export`) are live members listed in the view, so nodes serve their
   data-plane requests, but they sit on no stage (`stage == n_stages`): placement,
   rebalancing, the per-stage counts and sums never see them.
@@ -31,7 +34,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from coordinator.journal import Journal
-from protocol.addrs import fit
+from protocol.addrs import fit, observed
 from protocol.control import DeviceMemory, MembershipReply, PeerInfo
 
 LIVE, LEFT, DEAD, BANNED = "live", "left", "dead", "banned"
@@ -254,6 +257,10 @@ class Membership:
     # -- lifecycle ----------------------------------------------------------------------
 
     def join(self, peer: Peer) -> Peer:
+        # what the member announced, as the others can dial it (`protocol.addrs.observed`,
+        # from the source address the coordinator saw; an observer's is not kept)
+        peer.addrs = observed(peer.addrs, peer.metrics_host)
+        peer.dht_addrs = observed(peer.dht_addrs, peer.metrics_host)
         old = self.live.pop(peer.peer_id, None)
         if old is not None:
             self._account(old, -1)
@@ -283,8 +290,11 @@ class Membership:
     def announce(self, peer_id: str, dht_addrs: list[str]) -> None:
         """A live peer's new DHT addresses (versioned: other nodes bootstrap from them)."""
         peer = self.live.get(peer_id)
-        if peer is not None and peer.dht_addrs != dht_addrs:
-            peer.dht_addrs = list(dht_addrs)
+        if peer is None:
+            return
+        dht_addrs = observed(list(dht_addrs), peer.metrics_host)
+        if peer.dht_addrs != dht_addrs:
+            peer.dht_addrs = dht_addrs
             self._change(peer, "update")
 
     def remove(self, peer_id: str, state: str) -> Peer | None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.addrs import ip_of, multiaddr_problem
+
 PRECISIONS = ("auto", "fp32", "bf16")  # the stage's compute precision (NodeConfig.precision)
 
 
@@ -31,7 +33,9 @@ class NodeConfig:
     # free): caps what the join reports, e.g. to share a GPU; on a CPU it is what is reported
     memory_limit_gb: float | None = None
     identity: Path = Path("~/.config/agora/node.key")  # ed25519 seed file, created on first run
-    listen: str = "/ip4/127.0.0.1/tcp/0"  # libp2p listen multiaddr (port 0 = OS-chosen)
+    # libp2p listen multiaddr (port 0 = OS-chosen); on 0.0.0.0 / :: the node announces
+    # each interface's IP instead (loopback only on a host with no other interface)
+    listen: str = "/ip4/0.0.0.0/tcp/0"
     no_listen: bool = False  # outbound only: reachable through a relay (circuit relay v2)
     # relay multiaddrs ending in /p2p/<id> (empty with no_listen: the coordinator's relays)
     relays: list[str] = dataclasses.field(default_factory=list)
@@ -120,6 +124,13 @@ class NodeConfig:
             self.checkpoint_dir = Path(self.checkpoint_dir).expanduser()
         if self.events_file is not None:
             self.events_file = Path(self.events_file).expanduser()
+        problem = multiaddr_problem(self.listen)
+        if problem is None and (ip_of(self.listen) is None or "/p2p" in self.listen):
+            problem = "expected /ip4/IP/tcp/PORT or /ip6/IP/tcp/PORT"
+        if problem is None and self.listen.split("/")[3:4] != ["tcp"]:
+            problem = "the data plane listens on TCP only"
+        if problem is not None:
+            raise ValueError(f"listen {self.listen!r} is not a listen address: {problem}")
         if self.no_listen and self.relay_hop:
             raise ValueError("relay_hop needs inbound connections: it cannot go with no_listen")
         for relay in self.relays:

@@ -7,7 +7,15 @@ most `MAX_COMPONENTS` components and `MAX_CHARS` characters; a member announces 
 `MAX_ADDRS` of them per list (`fit` keeps the first that pass). The bounds keep a
 member's entry small, so a membership page of many members fits one reply frame. Everything accepted here is
 an address py-multiaddr parses; much that it parses is refused here (exotic protocols
-have no business in an Agora run). Pure: no sockets, no name resolution.
+have no business in an Agora run).
+
+It also holds the rules of what is announced across hosts: `expand_wildcards` turns a
+listen address on 0.0.0.0 / :: into one address per interface (loopback left out when
+the host has another interface), and `observed` is what the coordinator keeps of a
+member's announced addresses given the source address it saw the member at: never a
+wildcard, no loopback address unless the member is on the coordinator's own host, and
+the observed IP (with each announced TCP port) first. Pure: no sockets, no name
+resolution.
 """
 
 from __future__ import annotations
@@ -137,3 +145,102 @@ def fit(addrs: list[str]) -> list[str]:
     """The first `MAX_ADDRS` of `addrs` that are acceptable (what a node announces, and
     what a coordinator keeps of an entry stored under older, looser bounds)."""
     return [a for a in addrs if multiaddr_problem(a) is None][:MAX_ADDRS]
+
+
+WILDCARD_IPS = frozenset({"0.0.0.0", "::"})  # listen-on-all addresses: never announced
+
+
+def _parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`text` as an IP (an IPv4-mapped IPv6 address as its IPv4 one), or None."""
+    try:
+        ip = ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def ip_of(addr: str) -> str | None:
+    """The IP a multiaddr starts with (`/ip4/X/...` or `/ip6/X/...`), else None."""
+    parts = addr.split("/")
+    if len(parts) >= 3 and parts[0] == "" and parts[1] in ("ip4", "ip6"):
+        return parts[2]
+    return None
+
+
+def is_wildcard(addr: str) -> bool:
+    """An address on 0.0.0.0 or :: (a listen address, not one anybody can dial)."""
+    ip = ip_of(addr)
+    parsed = _parse_ip(ip) if ip is not None else None
+    return parsed is not None and parsed.is_unspecified
+
+
+def is_loopback(addr: str) -> bool:
+    """An address on 127.0.0.0/8 or ::1 (reachable from the same host only)."""
+    ip = ip_of(addr)
+    parsed = _parse_ip(ip) if ip is not None else None
+    return parsed is not None and parsed.is_loopback
+
+
+def _with_ip(addr: str, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """`addr` with its leading /ip4|ip6/X replaced by `ip`."""
+    rest = addr.split("/", 3)[3] if addr.count("/") >= 3 else ""
+    proto = "ip4" if ip.version == 4 else "ip6"
+    return f"/{proto}/{ip}" + (f"/{rest}" if rest else "")
+
+
+def expand_wildcards(addrs: list[str], interface_ips: list[str]) -> list[str]:
+    """The addresses to announce for `addrs` (a host's bound listen addresses) on a host
+    whose interfaces carry `interface_ips`: each address on 0.0.0.0 (::) becomes one per
+    IPv4 (IPv6) interface IP, loopback and link-local ones left out unless there is no
+    other; other addresses stay as they are. Order kept, duplicates dropped."""
+    ips = [ip for ip in (_parse_ip(t) for t in interface_ips) if ip is not None]
+    by_family: dict[int, list[ipaddress.IPv4Address | ipaddress.IPv6Address]] = {}
+    for version in (4, 6):
+        family = [ip for ip in ips if ip.version == version and not ip.is_unspecified]
+        usable = [ip for ip in family if not (ip.is_loopback or ip.is_link_local)]
+        by_family[version] = usable or [ip for ip in family if ip.is_loopback]
+    out: list[str] = []
+    for addr in addrs:
+        ip_text = ip_of(addr)
+        ip = _parse_ip(ip_text) if ip_text is not None else None
+        if ip is None or not ip.is_unspecified:
+            out.append(addr)
+            continue
+        out.extend(_with_ip(addr, concrete) for concrete in by_family[ip.version])
+    return list(dict.fromkeys(out))
+
+
+def observed(addrs: list[str], source: str | None) -> list[str]:
+    """What the coordinator keeps of addresses a member announced, given the `source`
+    IP it saw the member's connection come from (None or not an IP: unknown).
+
+    - Never an address on a wildcard IP (0.0.0.0, ::): nobody can dial it.
+    - A member on another host (`source` not loopback) keeps no loopback address: to
+      everyone else, 127.0.0.1 is themselves.
+    - The observed IP with each TCP port the member announced directly on an IP of the
+      same family comes first (a host behind a 1:1 NAT, as cloud machines are, knows
+      only its private IP); an address already announced is not repeated.
+    - At most `MAX_ADDRS`, each acceptable to `multiaddr_problem`.
+    """
+    src = _parse_ip(source) if source else None
+    remote = src is not None and not src.is_loopback and not src.is_unspecified
+    kept: list[str] = []
+    seen_at: list[str] = []
+    for addr in addrs:
+        if multiaddr_problem(addr) is not None:
+            continue
+        wildcard, loop = is_wildcard(addr), is_loopback(addr)
+        ip_text = ip_of(addr)
+        ip = _parse_ip(ip_text) if ip_text is not None else None
+        direct = ip is not None and "/p2p-circuit" not in addr
+        tcp = addr.split("/")[3:4] == ["tcp"]
+        if remote and src is not None and direct and tcp and ip is not None:
+            if ip.version == src.version:  # the observed IP speaks this family
+                seen_at.append(_with_ip(addr, src))
+        if wildcard or (remote and loop):
+            continue
+        kept.append(addr)
+    out = [a for a in dict.fromkeys(seen_at + kept) if multiaddr_problem(a) is None]
+    return out[:MAX_ADDRS]

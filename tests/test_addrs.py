@@ -1,5 +1,8 @@
 """The multiaddr check at the coordinator's edge: a strict subset of what py-multiaddr
-parses, never an exception, and a join or heartbeat carrying a bad address refused."""
+parses, never an exception, and a join or heartbeat carrying a bad address refused.
+Then the rules of what is announced across hosts: wildcard listen addresses expanded
+per interface, and what the coordinator keeps given the source IP it observed (also
+through a real `Membership` and a real transport listening on 0.0.0.0)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiaddr import Multiaddr
 
-from protocol.addrs import MAX_CHARS, multiaddr_problem
+from coordinator.journal import Journal
+from coordinator.membership import Membership, Peer
+from protocol.addrs import (
+    MAX_ADDRS,
+    MAX_CHARS,
+    expand_wildcards,
+    is_loopback,
+    is_wildcard,
+    multiaddr_problem,
+    observed,
+)
 from protocol.control import HeartbeatRequest, JoinRequest
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -88,3 +101,144 @@ def test_a_join_or_heartbeat_with_a_bad_address_does_not_decode() -> None:
     wire["dht_addrs"] = ["/nope"]
     with pytest.raises(ProtocolError, match="unsupported protocol"):
         HeartbeatRequest.from_wire(wire)
+
+
+# --- across hosts ---------------------------------------------------------------------------
+
+P2P = f"/p2p/{PEER}"
+CIRCUIT = f"/ip4/10.1.0.1/tcp/4001/p2p/{NodeKey.generate().peer_id}/p2p-circuit{P2P}"
+
+
+def test_a_wildcard_listen_address_becomes_one_per_interface() -> None:
+    ips = ["127.0.0.1", "10.1.0.5", "192.168.7.2", "::1", "fd00::2", "fe80::1"]
+    assert expand_wildcards([f"/ip4/0.0.0.0/tcp/4001{P2P}"], ips) == [
+        f"/ip4/10.1.0.5/tcp/4001{P2P}",
+        f"/ip4/192.168.7.2/tcp/4001{P2P}",
+    ]
+    assert expand_wildcards(["/ip6/::/tcp/9"], ips) == ["/ip6/fd00::2/tcp/9"]  # no link-local
+    # a host with loopback only announces loopback (one machine, no network)
+    assert expand_wildcards(["/ip4/0.0.0.0/tcp/9"], ["127.0.0.1", "::1"]) == [
+        "/ip4/127.0.0.1/tcp/9"
+    ]
+    # concrete addresses stay, duplicates go; no interface of the family: nothing
+    assert expand_wildcards(["/ip4/10.1.0.5/tcp/9", "/ip4/0.0.0.0/tcp/9"], ips[:2]) == [
+        "/ip4/10.1.0.5/tcp/9"
+    ]
+    assert expand_wildcards(["/ip6/::/tcp/9"], ["10.0.0.1"]) == []
+
+
+def test_the_coordinator_keeps_what_other_hosts_can_dial() -> None:
+    announced = [
+        f"/ip4/0.0.0.0/tcp/4001{P2P}",
+        f"/ip4/127.0.0.1/tcp/4001{P2P}",
+        f"/ip4/10.1.0.5/tcp/4001{P2P}",
+        f"/ip6/::1/tcp/4002{P2P}",
+        CIRCUIT,
+    ]
+    # from another host: no wildcard, no loopback, the observed IP (with the port) first
+    assert observed(announced, "203.0.113.9") == [
+        f"/ip4/203.0.113.9/tcp/4001{P2P}",
+        f"/ip4/10.1.0.5/tcp/4001{P2P}",
+        CIRCUIT,
+    ]
+    # from the coordinator's own host: loopback is how the others reach it
+    assert observed(announced, "127.0.0.1") == announced[1:]
+    # an IPv4-mapped source is its IPv4 address; an address already announced is kept once
+    assert observed([f"/ip4/10.1.0.5/tcp/4001{P2P}"], "::ffff:10.1.0.5") == [
+        f"/ip4/10.1.0.5/tcp/4001{P2P}"
+    ]
+    # unknown source (an observer): only the wildcard goes
+    assert observed(announced, None) == announced[1:]
+    # an outbound-only member (circuit addresses only) gets no observed address
+    assert observed([CIRCUIT], "203.0.113.9") == [CIRCUIT]
+    assert observed([], "203.0.113.9") == []
+
+
+HOSTS = st.sampled_from(
+    ["0.0.0.0", "127.0.0.1", "127.3.2.1", "10.0.0.1", "203.0.113.9", "::", "::1", "fd00::2"]
+)
+ADDR = st.one_of(
+    st.builds(
+        lambda h, port, tail: f"/ip{6 if ':' in h else 4}/{h}/tcp/{port}{tail}",
+        HOSTS,
+        st.integers(0, 65535),
+        st.sampled_from(["", P2P, "/ws"]),
+    ),
+    st.just(CIRCUIT),
+    st.text(max_size=40),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(ADDR, max_size=12), st.one_of(st.none(), HOSTS, st.text(max_size=20)))
+def test_observed_never_keeps_a_wildcard_nor_a_remote_loopback(
+    addrs: list[str], source: str | None
+) -> None:
+    kept = observed(addrs, source)
+    assert len(kept) <= MAX_ADDRS and len(set(kept)) == len(kept)
+    assert all(multiaddr_problem(a) is None and not is_wildcard(a) for a in kept)
+    if source in ("10.0.0.1", "203.0.113.9", "fd00::2"):
+        assert not any(is_loopback(a) for a in kept)
+    assert observed(kept, source) == kept  # a second pass changes nothing
+
+
+def test_membership_stores_announced_addresses_as_observed() -> None:
+    """A join from another host keeps no loopback address, and a heartbeat's DHT
+    announcement is rewritten the same way; a join from the same host keeps them."""
+    members = Membership(n_stages=1, stage_costs=[1.0], ttl_s=10.0, journal=Journal())
+    dht = [f"/ip4/127.0.0.1/tcp/5000{P2P}", f"/ip4/10.1.0.5/tcp/5000{P2P}"]
+
+    def peer(pid: str, source: str) -> Peer:
+        return Peer(pid, b"k", 0, [f"/ip4/0.0.0.0/tcp/4001{P2P}", f"/ip4/127.0.0.1/tcp/4001{P2P}"],
+                    list(dht), "cpu", 1.0, None, source, None, False, 0.0, 10.0)  # fmt: skip
+
+    remote = members.join(peer("remote", "10.1.0.5"))
+    assert remote.addrs == [f"/ip4/10.1.0.5/tcp/4001{P2P}"]
+    assert remote.dht_addrs == [f"/ip4/10.1.0.5/tcp/5000{P2P}"]
+    version = members.version
+    members.announce("remote", [f"/ip4/0.0.0.0/tcp/6000{P2P}", f"/ip4/127.0.0.1/tcp/6000{P2P}"])
+    assert remote.dht_addrs == [f"/ip4/10.1.0.5/tcp/6000{P2P}"] and members.version == version + 1
+    members.announce("remote", [f"/ip4/127.0.0.1/tcp/6000{P2P}"])  # the same once rewritten
+    assert members.version == version + 1
+    local = members.join(peer("local", "127.0.0.1"))
+    assert local.addrs == [f"/ip4/127.0.0.1/tcp/4001{P2P}"] and local.dht_addrs == dht
+    assert all(not is_loopback(a) for p in members.delta(0).peers if p.peer_id == "remote"
+               for a in [*p.addrs, *p.dht_addrs])  # fmt: skip
+
+
+def test_a_transport_on_every_interface_announces_concrete_addresses() -> None:
+    """The default listen address is 0.0.0.0; what the transport announces is the IP of
+    each interface (loopback only where there is no other), never the wildcard, and a
+    peer reaches it at the announced address."""
+    import trio
+
+    from node.config import NodeConfig
+    from node.p2p.host import Libp2pTransport
+    from node.p2p.interfaces import interface_ips
+    from node.p2p.transport import P2PConfig
+    from protocol.dataplane import Echo
+
+    assert NodeConfig(coordinator="10.0.0.1:7700").listen == "/ip4/0.0.0.0/tcp/0"
+    others = [ip for ip in interface_ips() if ":" not in ip and not ip.startswith("127.")]
+
+    async def echo(remote: str, msg: object) -> object:
+        return msg
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            server = Libp2pTransport(NodeKey.generate(), P2PConfig())
+            server.set_handler("/agora-test/echo/1", echo)  # type: ignore[arg-type]
+            client = Libp2pTransport(NodeKey.generate(), P2PConfig())
+            async with server.run(), client.run():
+                addrs = server.listen_addrs
+                assert addrs and not any(is_wildcard(a) for a in addrs), addrs
+                if others:
+                    assert not any(is_loopback(a) for a in addrs), addrs
+                    assert {a.split("/")[2] for a in addrs} <= set(others), addrs
+                msg = Echo(seq=1, payload=b"across")
+                reply = await client.request(
+                    server.peer_id, addrs, "/agora-test/echo/1", msg, timeout=20
+                )
+                assert reply == msg
+
+    trio.run(main)

@@ -1,5 +1,6 @@
 """`agora-node`'s command line: where the join token comes from (never only the command
-line, which `ps` shows to every user of the machine), and a real node process whose
+line, which `ps` shows to every user of the machine), the listen address (every
+interface by default; refused unless it is /ip4|ip6/IP/tcp/PORT), and a real node process whose
 `--memory-limit` holds no stage of the run: refused at join, it exits 3 with the
 coordinator's reason (the stage's need and its parts), no traceback."""
 
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 from coordinator_harness import write_config
 
+from node.config import NodeConfig
 from node.main import join_token, parse_args
+from protocol.identity import NodeKey
 from swarmlab.coordinator import start_coordinator
 from swarmlab.procs import REPO, child_env
 
@@ -50,3 +53,14 @@ def test_a_node_whose_memory_limit_holds_no_stage_is_refused_with_the_need(
     assert "refused the join (no_stage_fits)" in err, err
     assert "the smallest stage needs" in err and "1.0 MiB free" in err, err
     assert "weights" in err and "activations" in err, err
+
+
+@pytest.mark.parametrize(
+    "listen",
+    ["/ip4/10.0.0.1/udp/4001", "/dns4/example.org/tcp/1", "garbage",
+     f"/ip4/0.0.0.0/tcp/0/p2p/{NodeKey.generate().peer_id}", "/ip4/999.0.0.1/tcp/1"],
+)  # fmt: skip
+def test_node_config_refuses_a_listen_address_it_cannot_bind(listen: str) -> None:
+    with pytest.raises(ValueError, match="listen"):
+        NodeConfig(coordinator="10.0.0.1:7700", listen=listen)
+    assert NodeConfig(coordinator="h:1", listen="/ip6/::/tcp/4001").listen == "/ip6/::/tcp/4001"

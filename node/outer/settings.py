@@ -10,6 +10,7 @@ unknown keys, and raises `protocol.errors.ProtocolError` for anything malformed.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +90,9 @@ class OuterConfig:
     round_timeout_s: float = 10.0  # max time for the exchange once a group formed (s)
     request_timeout_s: float = 1.0  # matchmaking request timeout, < matchmaking_s (s)
     target_group_size: int = 8  # largest group of replicas averaged at once (peers)
-    host: str = "127.0.0.1"  # DHT listen address (IP)
+    # DHT listen IPv4 address (IP); 0.0.0.0 = every interface, so replicas on other hosts
+    # can dial it (the coordinator keeps no loopback address from another host)
+    host: str = "0.0.0.0"
     port: int = 0  # DHT listen port; 0 = chosen by the OS (port number)
     startup_timeout_s: float = 90.0  # max time for the outer process to start its DHT (s)
     state_timeout_s: float = 20.0  # max time to download state from a live replica (s)
@@ -106,6 +109,12 @@ class OuterConfig:
         for name in ("round_timeout_s", "startup_timeout_s", "state_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        try:
+            ipaddress.IPv4Address(self.host)
+        except ValueError:
+            raise ValueError(
+                f"host must be an IPv4 address (the DHT listens on /ip4/HOST), got {self.host!r}"
+            ) from None
         if self.target_group_size < 1 or not 0 <= self.port < 65536:
             raise ValueError(f"bad target_group_size {self.target_group_size} or port {self.port}")
 

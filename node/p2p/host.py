@@ -36,6 +36,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from node.p2p import metrics
+from node.p2p.interfaces import announce
 from node.p2p.limits import MembershipFilter, PeerLimits, Refusal, allow_everyone
 from node.p2p.relay import RelaySupport, is_circuit
 from node.p2p.transport import (
@@ -134,7 +135,9 @@ class Libp2pTransport:
 
     @property
     def direct_addrs(self) -> list[str]:
-        return [str(a) for a in self._host.get_addrs()]
+        """The bound listen addresses, each on 0.0.0.0 / :: as one per interface IP
+        (`node.p2p.interfaces.announce`): what other peers can dial."""
+        return announce([str(a) for a in self._host.get_addrs()])
 
     @property
     def max_frame(self) -> int:

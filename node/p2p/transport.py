@@ -110,8 +110,8 @@ class P2PConfig:
     """Data-plane transport settings (TOML table `[p2p]`)."""
 
     listen: list[str] = dataclasses.field(
-        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"]
-    )  # multiaddrs; empty = outbound only
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"]
+    )  # multiaddrs; empty = outbound only; 0.0.0.0 / :: announce each interface's IP
     max_frame: int = DEFAULT_MAX_FRAME  # bytes, largest accepted frame payload
     read_timeout_s: float = 60.0  # seconds a peer may take to send one whole request
     handler_timeout_s: float = 300.0  # seconds a local handler may take to answer
