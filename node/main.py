@@ -3,7 +3,9 @@
 Reads its settings from `--config FILE` (TOML) with a few flags on top, creates or loads
 the node identity, joins the coordinator and trains until Ctrl-C (or SIGTERM, or its
 deadline), then drains: in-flight micro-batches finish, leases are released, the node
-leaves and exits 0. A second Ctrl-C exits at once. A join the coordinator refuses (auth,
+leaves and exits 0. A stop asked for at any moment of start-up is kept until the drain can
+run (or, before the join, ends the start-up with exit 0); a second one exits at once (130).
+A join the coordinator refuses (auth,
 ban, no stage whose memory estimate fits the device: `--memory-limit`, protocol.memory)
 exits 3 with the coordinator's reason.
 """
@@ -17,19 +19,49 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
-import trio
-
-from node.config import NodeConfig
-from node.coordinator_client import JoinRefused
-from node.identity import load_or_create_key, read_token_file
-from protocol.identity import NodeKey
-
+# Only the standard library is imported at module level: `main` installs its stop handler
+# before trio, torch and the node's modules load, so a SIGINT during those imports is
+# kept instead of killing the process with a KeyboardInterrupt traceback.
 if TYPE_CHECKING:
+    from node.config import NodeConfig
+    from node.coordinator_client import JoinRefused
     from node.p2p.transport import P2PConfig
+    from protocol.identity import NodeKey
 
 log = logging.getLogger("agora.node")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class EarlyStop:
+    """SIGINT/SIGTERM that arrive before the drain handler runs: remembered, not raised.
+
+    Installed first thing in `main`; trio leaves a non-default handler alone, so it holds
+    until `_run` opens its own signal receiver, which then drains at once if a stop came.
+    A second signal before that exits at once, as a second Ctrl-C does later.
+    """
+
+    def __init__(self) -> None:
+        self.signame: str | None = None
+
+    def install(self) -> None:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signame is not None:
+            os._exit(130)
+        self.signame = signal.Signals(signum).name
+
+    def stopped_before_join(self) -> bool:
+        """True (and says so) when a stop came before the node joined: nothing to drain."""
+        if self.signame is None:
+            return False
+        log.info("%s during start-up, before joining: exiting", self.signame)
+        return True
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,7 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="ed25519 key file, created on first run (default ~/.config/agora/node.key)",
     )  # fmt: skip
     p.add_argument(
-        "--listen", default=None, help="libp2p listen multiaddr (default /ip4/127.0.0.1/tcp/0)"
+        "--listen",
+        default=None,
+        help="libp2p listen multiaddr (default /ip4/0.0.0.0/tcp/0: every interface)",
     )
     p.add_argument(
         "--no-listen", action="store_true", default=None,
@@ -126,6 +160,8 @@ def resolve_device(requested: str) -> str:
 
 async def _p2p_config(cfg: NodeConfig, key: NodeKey) -> P2PConfig:
     """Data-plane settings; an outbound-only node without --relay uses the coordinator's."""
+    import trio
+
     from node.coordinator_client import CoordinatorClient
     from node.p2p.transport import P2PConfig
 
@@ -145,7 +181,9 @@ async def _p2p_config(cfg: NodeConfig, key: NodeKey) -> P2PConfig:
     return P2PConfig(listen=listen, relays=relays, relay_hop=cfg.relay_hop)
 
 
-async def _run(cfg: NodeConfig, key: NodeKey, device: str) -> int:
+async def _run(cfg: NodeConfig, key: NodeKey, device: str, early: EarlyStop) -> int:
+    import trio
+
     from node.coordinator_client import CoordinatorClient
     from node.p2p.host import Libp2pTransport
     from node.runtime import Node
@@ -155,6 +193,8 @@ async def _run(cfg: NodeConfig, key: NodeKey, device: str) -> int:
     except ValueError as exc:
         print(f"agora-node: {exc}", file=sys.stderr)
         return 2
+    if early.stopped_before_join():
+        return 0
     # Nobody is served until the node knows the run's members (Node.run sets the filter).
     transport = Libp2pTransport(key, p2p, allow=lambda _peer: False)
     host, port = cfg.coordinator_addr
@@ -163,7 +203,10 @@ async def _run(cfg: NodeConfig, key: NodeKey, device: str) -> int:
         async with trio.open_nursery() as nursery:
 
             async def signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+                with trio.open_signal_receiver(*STOP_SIGNALS) as sigs:
+                    if early.signame is not None:  # a stop that came during start-up
+                        log.info("%s during start-up: draining", early.signame)
+                        node.drain(early.signame)
                     async for signum in sigs:
                         if node.draining:
                             log.warning("second %s: exiting now", signal.Signals(signum).name)
@@ -184,15 +227,25 @@ def join_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | No
     if args.join_token is not None:
         return str(args.join_token)
     if args.join_token_file is not None:
+        from node.identity import read_token_file
+
         return read_token_file(Path(args.join_token_file))
     return environ.get("AGORA_JOIN_TOKEN") or None
 
 
 def main(argv: list[str] | None = None) -> int:
+    early = EarlyStop()
+    early.install()
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    import trio
+
+    from node.config import NodeConfig
+    from node.coordinator_client import JoinRefused
+    from node.identity import load_or_create_key
+
     try:
         stage = None if args.stage in (None, "auto") else int(args.stage)
         cfg = NodeConfig.load(
@@ -226,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
+    if early.stopped_before_join():
+        return 0
     torch.set_num_threads(int(os.environ.get("AGORA_TORCH_THREADS", "1")))
     if cfg.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -234,10 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.metrics_port = int(server.server_port)  # the bound port, announced in the join
         print(f"agora-node metrics on {cfg.metrics_host}:{cfg.metrics_port}", flush=True)
     try:
-        return trio.run(_run, cfg, key, device)
-    except KeyboardInterrupt:  # Ctrl-C before the drain handler was installed
-        log.warning("interrupted during start-up; the coordinator drops us after the TTL")
-        return 130
+        return int(trio.run(_run, cfg, key, device, early))
     except (JoinRefused, BaseExceptionGroup) as exc:
         refused = join_refusal(exc)
         if refused is None:
@@ -249,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def join_refusal(exc: BaseException) -> JoinRefused | None:
     """The `JoinRefused` that `exc` is or (within task groups) consists of, else None."""
+    from node.coordinator_client import JoinRefused
+
     if isinstance(exc, JoinRefused):
         return exc
     if isinstance(exc, BaseExceptionGroup):
