@@ -30,10 +30,12 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from coordinator.audit import AuditMonitor
 from coordinator.config import CoordinatorConfig
 from coordinator.edge import ByteBudget, HostConnections, host_key
+from coordinator.fastpath import frame_reply
 from coordinator.journal import Batch, Journal
 from coordinator.leases import LeaseBook, Shard, restore_book
 from coordinator.membership import Membership, Peer
@@ -221,6 +223,7 @@ class CoordinatorServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
         self._sd_version = -1
+        self._rpc_latency: dict[str, Any] = {}  # method -> its rpc_latency histogram
         self._verify_pool = (
             concurrent.futures.ThreadPoolExecutor(cfg.verify_threads, thread_name_prefix="verify")
             if cfg.verify_threads > 0
@@ -447,7 +450,7 @@ class CoordinatorServer:
                 if isinstance(reply, ErrorReply):
                     m.errors.labels(reply.code).inc()
                 try:
-                    replies.append(frame_message(reply, max_frame=self.cfg.max_frame_bytes))
+                    replies.append(frame_reply(reply, self.cfg.max_frame_bytes))
                 except ProtocolError as exc:
                     err = ErrorReply(code="internal", detail=f"reply too large: {exc}")
                     replies.append(frame_message(err))
@@ -462,7 +465,10 @@ class CoordinatorServer:
             for method in methods:
                 if method == HeartbeatRequest.TYPE:
                     m.heartbeat_latency.observe(took)
-                m.rpc_latency.labels(method).observe(took)
+                child = self._rpc_latency.get(method)
+                if child is None:  # method names are the request types: a bounded set
+                    child = self._rpc_latency[method] = m.rpc_latency.labels(method)
+                child.observe(took)
             if tail is not None:
                 return
 

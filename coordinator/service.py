@@ -16,6 +16,7 @@ from typing import Any
 from coordinator.config import CoordinatorConfig
 from coordinator.edge import RateLimiter
 from coordinator.facilities import FacilityBook, PlacementPolicy
+from coordinator.fastpath import BodyCache, open_signed
 from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError
 from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
@@ -32,8 +33,6 @@ from protocol.model_config import run_model_config
 from protocol.signing import (
     ReplayGuard,
     SignedRequest,
-    decode_body,
-    open_envelope,
     request_scope,
     signed_bytes,
 )
@@ -118,6 +117,7 @@ class Service:
         # within the per-array bound, is refused after a few thousand
         requests = [c.StatusRequest, c.JoinRequest, FacilityReport, *self._handlers, *self._admin]
         self.body_limits = schema_limits(*requests, max_size=cfg.max_request_bytes)
+        self.bodies = BodyCache(limits=self.body_limits, max_size=cfg.max_request_bytes)
 
     # -- entry point --------------------------------------------------------------------
 
@@ -129,7 +129,7 @@ class Service:
     def open(self, payload: bytes) -> SignedRequest:
         """Decode a frame payload into a signed request (not yet verified); `BadFrame`."""
         try:
-            return open_envelope(payload, max_size=self.cfg.max_request_bytes)
+            return open_signed(payload, self.cfg.max_request_bytes)
         except ProtocolError as exc:
             raise BadFrame(str(exc)) from exc
 
@@ -150,7 +150,7 @@ class Service:
         except ProtocolError as exc:
             return "unknown", _err("replay", str(exc))
         try:
-            body = decode_body(req, max_size=self.cfg.max_request_bytes, limits=self.body_limits)
+            body = self.bodies.decode(req)
         except ProtocolError as exc:
             return "unknown", _err("bad_request", str(exc))
         method = body.TYPE
