@@ -1,5 +1,5 @@
 """The coordinator's hot path codecs: the same bytes and the same checks as the generic
-`protocol` codecs, with less Python per request (see docs/scale.md).
+`protocol` codecs, with less Python per request.
 
 - `open_signed` reads a frame payload into a `SignedRequest`: the envelope limits and
   field bounds of `protocol.signing.open_envelope`, checked inline instead of through
