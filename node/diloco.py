@@ -1,5 +1,6 @@
-"""The DiLoCo outer-step math: pseudo-gradients, robust token-weighted averaging, elastic
-Nesterov with a participation-adaptive learning rate, staleness, and the overlap merge.
+"""The DiLoCo outer-step math: pseudo-gradients, robust token-weighted averaging (of the
+whole vector, or of one part of it for a reduce-scatter), elastic Nesterov with a
+participation-adaptive learning rate, staleness, and the overlap merge.
 
 Pure torch, no I/O and no hivemind: the outer-loop process (`node.outer`) calls these
 functions, and the tests check them against hand-computed references. Every tensor here
@@ -10,6 +11,7 @@ order get bitwise-identical results.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -156,6 +158,55 @@ def aggregate(contribs: Sequence[Contribution], ref_norm: float, cfg: DilocoConf
     ones and ones past the staleness bound. With `clip_radius > 0` the mean is replaced by
     centered clipping. The result depends only on the inputs and their order.
     """
+    return _aggregate(contribs, ref_norm, cfg.clip_radius, cfg)
+
+
+def part_bounds(numel: int, members: int) -> list[tuple[int, int]]:
+    """The contiguous parts `[start, end)` of a flat vector of `numel` elements that a
+    group of `members` reduces, part j by its j-th member in the group's order: as many
+    parts as members, but each at least 2 elements long (the 8-bit codec needs two), so a
+    vector shorter than `2 * members` has fewer parts; the first `numel % parts` parts are
+    one element longer."""
+    if numel < 1 or members < 1:
+        raise ValueError(f"numel and members must be >= 1, got {numel} and {members}")
+    parts = max(1, min(members, numel // 2))
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for j in range(parts):
+        end = start + base + (1 if j < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def part_share(bounds: tuple[int, int], numel: int) -> float:
+    """The norm share of a part: `sqrt(len / numel)`, the fraction of a vector's norm that
+    falls in the part when its energy is spread evenly (as Adam's per-element steps spread
+    a pseudo-gradient's)."""
+    start, end = bounds
+    if not 0 <= start < end <= numel:
+        raise ValueError(f"part [{start}, {end}) is not inside [0, {numel})")
+    return math.sqrt((end - start) / numel)
+
+
+def aggregate_part(
+    contribs: Sequence[Contribution], ref_norm: float, share: float, cfg: DilocoConfig
+) -> Aggregate:
+    """`aggregate` of one part of the vector (each `delta` is that part of a member's
+    pseudo-gradient), with its bounds scaled to the part: the norm bound is
+    `max_rel_norm * share * ref_norm` and the clipping radius `share * clip_radius`, where
+    `share` is `part_share` of the part and `ref_norm` the whole vector's reference norm.
+    The median check and the weights are the whole vector's rules, per part. A
+    contribution that passes every part's norm bound passes the whole vector's, since the
+    squared shares sum to 1."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share must be in (0, 1], got {share}")
+    return _aggregate(contribs, ref_norm * share, cfg.clip_radius * share, cfg)
+
+
+def _aggregate(
+    contribs: Sequence[Contribution], ref_norm: float, clip_radius: float, cfg: DilocoConfig
+) -> Aggregate:
     rejected: dict[int, str] = {}
     weights: list[float] = []
     norms: dict[int, float] = {}
@@ -183,8 +234,8 @@ def aggregate(contribs: Sequence[Contribution], ref_norm: float, cfg: DilocoConf
     if total <= 0.0:
         return Aggregate(delta=None, tokens=0, weights=weights, rejected=rejected)
     deltas = [c.delta for c in contribs]
-    if cfg.clip_radius > 0.0:
-        d = centered_clip(deltas, weights, cfg.clip_radius, cfg.clip_iters)
+    if clip_radius > 0.0:
+        d = centered_clip(deltas, weights, clip_radius, cfg.clip_iters)
     else:
         d = _weighted_mean(deltas, weights, total)
     return Aggregate(delta=d, tokens=tokens, weights=weights, rejected=rejected)

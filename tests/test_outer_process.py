@@ -92,11 +92,12 @@ def test_group_round_gives_identical_state_and_a_joiner_downloads_it(
     assert torch.equal(a.theta_g(), b.theta_g())
     assert ra.bytes_out == ra.raw_bytes // 2  # fp16 on the wire
 
-    # reference: D = (100 (theta0 - wa) + 300 (theta0 - wb)) / 400, fp16 on the wire
+    # reference: D = (100 (theta0 - wa) + 300 (theta0 - wb)) / 400, fp16 on the wire both
+    # ways: each member's part, then each reducer's result (reduce-scatter, the default)
     flat0 = torch.cat(theta0)
     da = (flat0 - torch.cat(wa)).half().float()
     db = (flat0 - torch.cat(wb)).half().float()
-    d = (100 * da + 300 * db) / 400
+    d = ((100 * da + 300 * db) / 400).half().float()
     expect = flat0 - 0.7 * (d + 0.9 * d)
     assert torch.allclose(a.theta_g(), expect, atol=1e-6)
     assert torch.allclose(a.momentum(), d, atol=1e-6)  # m = mu * 0 + d

@@ -136,6 +136,7 @@ class OuterProcess:
             diloco=self.cfg.diloco,
             exchange_timeout=self.cfg.round_timeout_s,
             state_provider=self.current_state,
+            scheme=self.cfg.averaging,
             target_group_size=self.cfg.target_group_size,
             min_group_size=2,
             min_matchmaking_time=self.cfg.matchmaking_s,

@@ -18,6 +18,10 @@ from typing import Any
 from protocol.errors import ProtocolError
 
 COMPRESSIONS = ("none", "fp16", "uint8")  # pseudo-gradient wire codecs, by name
+# how a group averages (docs/outer-averaging.md): reduce-scatter + all-gather of compressed
+# parts (bytes per replica flat in the group size), or every member sending its whole
+# contribution to every other member (bytes per replica grow with the group)
+AVERAGINGS = ("reduce_scatter", "all_gather")
 MAX_COUNT = 2**62  # bound on integers on the wire: tokens, rounds, bytes
 MAX_SETTING_STR = 1024  # characters in a str setting
 
@@ -86,6 +90,7 @@ class OuterConfig:
     """Settings of the outer-loop process."""
 
     compression: str = "fp16"  # pseudo-gradient wire codec, one of COMPRESSIONS (name)
+    averaging: str = "reduce_scatter"  # group averaging scheme, one of AVERAGINGS (name)
     matchmaking_s: float = 3.0  # time to gather a group before a round (s)
     round_timeout_s: float = 10.0  # max time for the exchange once a group formed (s)
     request_timeout_s: float = 1.0  # matchmaking request timeout, < matchmaking_s (s)
@@ -101,6 +106,8 @@ class OuterConfig:
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if self.averaging not in AVERAGINGS:
+            raise ValueError(f"averaging must be one of {AVERAGINGS}, got {self.averaging!r}")
         if not 0.0 < self.request_timeout_s < self.matchmaking_s:
             raise ValueError(
                 f"request_timeout_s ({self.request_timeout_s}) must be in (0, matchmaking_s = "

@@ -1,0 +1,183 @@
+"""The pieces of a reduce-scatter round that do not touch the network: the header each
+push carries, the manifest a reducer returns with its part, the check of the gathered
+metadata, who audits which part, and the per-member checks of a reducer's manifest.
+
+`node.outer.averager` moves the bytes; everything here is pure data in, data out (the
+manifest checks take decoded tensors) so that it can be tested on its own. Every header,
+manifest and gathered map comes from another participant: the decoders bound sizes and
+check types and raise `ProtocolError` (headers, manifests) or replace the entry
+(gathered metadata) instead of trusting it. See docs/outer-averaging.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from node.outer.settings import MAX_COUNT
+from protocol.codec import packb, unpackb
+from protocol.errors import ProtocolError
+
+KINDS = ("contrib", "audit", "reduced")  # what a push carries
+MAX_HEADER = 1 << 18  # bytes in one push header (a manifest of up to MAX_MEMBERS entries)
+MAX_MEMBERS = 1024  # entries in a manifest (peers)
+MAX_PEER = 128  # characters in a base58 peer id
+MAX_REASON = 512  # characters in a rejection reason
+MAX_DIGEST = 64  # characters in a hex digest
+# the gathered metadata of a member whose own is malformed: it contributes nothing and is
+# never the group's canonical state (round -1)
+NO_METADATA: dict[str, Any] = {
+    "round": -1, "digest": "", "base_round": -1, "tokens": 0, "ref_norm": 0.0,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Entry:
+    """One contribution a reducer received for its part, as its manifest reports it."""
+
+    peer: str  # the contributor (base58 peer id)
+    weight: float  # its weight in the part's aggregate; 0 = rejected (token units)
+    reason: str  # why it was rejected; "" when weighted
+    digest: str  # `digest()` of the compressed part the reducer received (hex)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Header:
+    """The first message of a push: what follows and for which part."""
+
+    kind: str  # one of KINDS
+    part: int  # the part's index in the group's parts
+    manifest: list[Entry] | None = None  # with kind "reduced" only
+
+    def encode(self) -> bytes:
+        obj: dict[str, Any] = {"kind": self.kind, "part": self.part}
+        if self.manifest is not None:
+            obj["manifest"] = [[e.peer, e.weight, e.reason, e.digest] for e in self.manifest]
+        out = packb(obj)
+        if len(out) > MAX_HEADER:
+            raise ProtocolError(f"push header of {len(out)} bytes is over {MAX_HEADER}")
+        return out
+
+
+def decode_header(raw: bytes, parts: int) -> Header:
+    """A push header from another member, for a round of `parts` parts, or ProtocolError."""
+    if len(raw) > MAX_HEADER:
+        raise ProtocolError(f"push header of {len(raw)} bytes is over {MAX_HEADER}")
+    obj = unpackb(raw, max_size=MAX_HEADER)
+    if type(obj) is not dict or set(obj) - {"kind", "part", "manifest"}:
+        raise ProtocolError("push header: expected a map of kind, part and manifest")
+    kind, part = obj.get("kind"), obj.get("part")
+    if kind not in KINDS or type(part) is not int or not 0 <= part < parts:
+        raise ProtocolError(f"push header: bad kind or part (of {parts})")
+    if (kind == "reduced") != ("manifest" in obj):
+        raise ProtocolError("push header: a manifest comes with a reduced part, and only then")
+    manifest = decode_manifest(obj["manifest"]) if kind == "reduced" else None
+    return Header(kind=kind, part=part, manifest=manifest)
+
+
+def decode_manifest(obj: Any) -> list[Entry]:
+    """A reducer's manifest: distinct peers, finite non-negative weights, bounded strings."""
+    if type(obj) is not list or len(obj) > MAX_MEMBERS:
+        raise ProtocolError(f"manifest: expected a list of at most {MAX_MEMBERS} entries")
+    out: list[Entry] = []
+    for item in obj:
+        if type(item) is not list or len(item) != 4:
+            raise ProtocolError("manifest: each entry is [peer, weight, reason, digest]")
+        peer, weight, reason, dg = item
+        if type(weight) is int and 0 <= weight <= MAX_COUNT:
+            weight = float(weight)
+        if type(weight) is not float or not math.isfinite(weight) or weight < 0.0:
+            raise ProtocolError("manifest: a weight must be a finite number >= 0")
+        for value, limit in ((peer, MAX_PEER), (reason, MAX_REASON), (dg, MAX_DIGEST)):
+            if type(value) is not str or len(value) > limit:
+                raise ProtocolError(f"manifest: strings of at most {limit} characters")
+        if not peer:
+            raise ProtocolError("manifest: an entry names no peer")
+        out.append(Entry(peer=peer, weight=weight, reason=reason, digest=dg))
+    if len({e.peer for e in out}) != len(out):
+        raise ProtocolError("manifest: a peer appears twice")
+    return out
+
+
+def digest(compression: int, dtype: str, size: Sequence[int], buffer: bytes) -> str:
+    """blake2b of one compressed tensor's fields, hex: what a member sent and what its
+    reducer received compare equal exactly when the bytes are the same."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(packb([compression, dtype, list(size)]))
+    h.update(buffer)
+    return h.hexdigest()
+
+
+def checked_gathered(raw: Any) -> dict[str, Any]:
+    """One member's gathered metadata (round, digest, base_round, tokens, ref_norm), or
+    `NO_METADATA` when it is malformed."""
+    if type(raw) is not dict or set(raw) != set(NO_METADATA):
+        return dict(NO_METADATA)
+    for key in ("round", "base_round", "tokens"):
+        v = raw[key]
+        if type(v) is not int or not (-1 if key != "tokens" else 0) <= v <= MAX_COUNT:
+            return dict(NO_METADATA)
+    norm = raw["ref_norm"]
+    if type(norm) is int:
+        norm = float(norm)
+    if type(norm) is not float or not math.isfinite(norm) or norm < 0.0:
+        return dict(NO_METADATA)
+    if type(raw["digest"]) is not str or len(raw["digest"]) > MAX_DIGEST:
+        return dict(NO_METADATA)
+    return {**raw, "ref_norm": norm}
+
+
+def group_ref_norm(gathered: Sequence[dict[str, Any]]) -> float:
+    """The reference norm every reducer of the group uses: the lower median of the
+    members' ref_norm (a minority cannot move it past an honest member's)."""
+    norms = sorted(float(g["ref_norm"]) for g in gathered)
+    return norms[(len(norms) - 1) // 2] if norms else 0.0
+
+
+def audit_choice(group_id: bytes, members: int, parts: int) -> tuple[int, int] | None:
+    """(auditor, part): the member that re-aggregates one part from the raw contributions,
+    and that part (never the auditor's own), both drawn from the group id; None below 3
+    members or 2 parts."""
+    if members < 3 or parts < 2:
+        return None
+    h = int.from_bytes(hashlib.blake2b(group_id, digest_size=8).digest(), "little")
+    auditor = h % members
+    others = [j for j in range(parts) if j != auditor]
+    return auditor, others[(h // members) % len(others)]
+
+
+def is_median_reason(reason: str) -> bool:
+    """Whether a rejection reason is the median check's (which a member cannot re-check
+    from its own contribution alone)."""
+    return "median" in reason
+
+
+def own_entry_finding(
+    manifest: Sequence[Entry],
+    me: str,
+    sent_digest: str,
+    owed_weight: float,
+    own_reason: str | None,
+) -> str | None:
+    """What is wrong with a reducer's report of this member's contribution, which the
+    reducer acknowledged receiving, or None: it must list it, with the digest of the bytes
+    sent, and weight it with the weight it is owed (`owed_weight`: tokens x staleness
+    weight from the gathered metadata) unless it rejects it; a rejection other than the
+    median check's must be one that the member's own check (`own_reason`: the
+    single-contribution rules on its own part) also finds."""
+    mine = [e for e in manifest if e.peer == me]
+    if not mine:
+        return "left out a contribution it acknowledged"
+    e = mine[0]
+    if e.digest != sent_digest:
+        return "reports other bytes than the contribution sent"
+    if e.weight != 0.0 or not e.reason:
+        if e.reason or e.weight != owed_weight:
+            return f"weighted it {e.weight!r}, owed {owed_weight!r}"
+        return None
+    if not is_median_reason(e.reason) and own_reason is None:
+        return f"rejected it for {e.reason[:120]!r}, which it passes"
+    return None
