@@ -12,9 +12,12 @@ from node.diloco import (
     DilocoConfig,
     OuterState,
     aggregate,
+    aggregate_part,
     centered_clip,
     merge_local_progress,
     outer_step,
+    part_bounds,
+    part_share,
     participation_lr,
     pseudo_gradient,
     staleness_weight,
@@ -142,3 +145,83 @@ def test_config_validation_names_the_value() -> None:
         DilocoConfig(mu=1.0)
     with pytest.raises(ValueError, match="eta"):
         DilocoConfig(eta=0.0)
+
+
+# ---- per-part aggregation (reduce-scatter) ---------------------------------------------
+
+
+def test_part_bounds_cover_the_vector_in_order_and_shares_square_to_one() -> None:
+    for numel, members in ((10, 3), (4096, 6), (7, 7), (3, 5), (1, 4), (64, 64)):
+        bounds = part_bounds(numel, members)
+        assert bounds[0][0] == 0 and bounds[-1][1] == numel
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+        assert len(bounds) <= members and all(e - s >= min(2, numel) for s, e in bounds)
+        assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
+        assert math.isclose(sum(part_share(b, numel) ** 2 for b in bounds), 1.0)
+    assert part_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert part_bounds(5, 4) == [(0, 3), (3, 5)]  # parts of at least 2 elements
+    with pytest.raises(ValueError, match="members"):
+        part_bounds(10, 0)
+
+
+def test_a_single_part_aggregates_like_the_whole_vector() -> None:
+    cfg = DilocoConfig(clip_radius=0.05)
+    g = torch.Generator().manual_seed(3)
+    cs = [
+        Contribution(delta=torch.randn(50, generator=g) * 0.01, tokens=10 * (i + 1))
+        for i in range(4)
+    ]
+    whole, one = aggregate(cs, 1.0, cfg), aggregate_part(cs, 1.0, 1.0, cfg)
+    assert whole.delta is not None and one.delta is not None
+    assert torch.equal(whole.delta, one.delta) and whole.weights == one.weights
+
+
+def test_parts_of_a_mean_are_the_mean_of_the_parts() -> None:
+    cfg = DilocoConfig()
+    g = torch.Generator().manual_seed(4)
+    cs = [Contribution(delta=torch.randn(30, generator=g) * 0.01, tokens=t) for t in (5, 10, 20)]
+    whole = aggregate(cs, 1.0, cfg).delta
+    assert whole is not None
+    for s, e in part_bounds(30, 3):
+        sub = [Contribution(delta=c.delta[s:e], tokens=c.tokens) for c in cs]
+        part = aggregate_part(sub, 1.0, part_share((s, e), 30), cfg).delta
+        assert part is not None and torch.allclose(part, whole[s:e], atol=1e-9)
+
+
+def test_the_norm_bound_is_the_parts_share_of_the_reference_norm() -> None:
+    """A contribution whose norm is concentrated in one part passes the whole vector's
+    bound but not that part's: the bound scales with sqrt(part / whole)."""
+    cfg = DilocoConfig(max_rel_norm=1.0)
+    honest = Contribution(delta=torch.full((4,), 0.01), tokens=10)
+    # norm 0.8 < ref 1.0 over the vector, all of it in a part of a quarter of the vector
+    spike = Contribution(delta=t(0.8, 0.0, 0.0, 0.0), tokens=10)
+    assert aggregate([honest, spike], 1.0, cfg).rejected == {}
+    share = part_share((0, 4), 16)  # a part of 4 of 16 elements: share 0.5, bound 0.5
+    agg = aggregate_part([honest, spike], 1.0, share, cfg)
+    assert set(agg.rejected) == {1} and "max_rel_norm" in agg.rejected[1]
+    assert agg.weights == [10.0, 0.0] and agg.tokens == 10
+    assert agg.delta is not None and torch.equal(agg.delta, honest.delta)
+
+
+def test_the_median_check_runs_per_part() -> None:
+    cfg = DilocoConfig(max_median_ratio=5.0)
+    small = [Contribution(delta=torch.full((3,), 1e-3 * (i + 1)), tokens=1) for i in range(3)]
+    big = Contribution(delta=torch.full((3,), 0.05), tokens=1)  # 50x the others' norm
+    agg = aggregate_part([*small, big], 10.0, 0.5, cfg)
+    assert set(agg.rejected) == {3} and "median" in agg.rejected[3]
+    assert agg.tokens == 3
+
+
+def test_centered_clipping_radius_scales_with_the_part() -> None:
+    """Clipping a part uses tau * share: an outlier's pull on a part is bounded by its
+    share of the whole vector's radius."""
+    cfg = DilocoConfig(clip_radius=0.4, clip_iters=1, max_median_ratio=1e9)
+    honest = [Contribution(delta=torch.full((4,), 1e-3), tokens=1) for _ in range(3)]
+    outlier = Contribution(delta=torch.full((4,), 1.0), tokens=1)
+    share = 0.25
+    agg = aggregate_part([*honest, outlier], 100.0, share, cfg)
+    assert agg.delta is not None
+    pull = float(torch.linalg.vector_norm(agg.delta - honest[0].delta))
+    assert math.isclose(pull, 0.4 * share / 4, rel_tol=1e-5)  # tau * share * w / sum w
+    with pytest.raises(ValueError, match="share"):
+        aggregate_part(honest, 1.0, 0.0, cfg)
