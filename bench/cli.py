@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "efficiency": ("bench.efficiency", "swarm tokens/s over centralised tokens/s"),
     "convergence": ("bench.convergence", "centralised vs swarm eval loss at equal tokens"),
     "failover": ("bench.failover", "time to re-route traffic and re-issue leases"),
+    "outer": ("bench.outer", "outer averaging bytes per replica and round time by group size"),
     "outer-sweep": ("bench.outer_sweep", "simulated outer-step settings and gap sources"),
     "gpu": ("bench.gpu", "one GPU: a 2-stage swarm's tokens/s, MFU and memory vs one process"),
 }

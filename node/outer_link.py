@@ -132,9 +132,11 @@ class OuterLink:
         config: OuterConfig | None = None,
         env: dict[str, str] | None = None,
         python: str = sys.executable,
+        entry: Sequence[str] = ("-m", "node.outer"),
     ) -> OuterLink:
         """Start the outer process for `stage` of `run_id`, waiting (up to
-        `config.startup_timeout_s`) until its DHT is up."""
+        `config.startup_timeout_s`) until its DHT is up. `entry` is what follows the
+        interpreter on its command line (a rogue outer process in chaos tools and tests)."""
         cfg = config or OuterConfig()
         if numel <= 0:
             raise ValueError(f"numel must be > 0, got {numel}")
@@ -146,7 +148,7 @@ class OuterLink:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [python, "-m", "node.outer", "--fd", str(theirs.fileno())]
+        cmd = [python, *entry, "--fd", str(theirs.fileno())]
         try:
             proc = subprocess.Popen(  # own process group: hivemind's helpers follow its signals
                 cmd,
@@ -188,6 +190,11 @@ class OuterLink:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def peer_id(self) -> str:
+        """The outer process's DHT peer id (base58)."""
+        return self._ready.peer_id
 
     def dht_addrs(self) -> list[str]:
         """Multiaddrs other nodes can bootstrap their DHT from (advertise via the coordinator)."""

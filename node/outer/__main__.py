@@ -13,11 +13,17 @@ import os
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from node.outer.contract import Fatal, encode
 
+if TYPE_CHECKING:
+    from node.outer.averager import StageAverager
 
-def main(argv: list[str] | None = None) -> int:
+
+def main(argv: list[str] | None = None, averager_cls: type[StageAverager] | None = None) -> int:
+    """Serve the outer-loop process; `averager_cls` replaces `StageAverager` (a rogue
+    subclass, for `swarmlab.chaos.rogue_outer`)."""
     parser = argparse.ArgumentParser(
         prog="python -m node.outer",
         description="Outer-loop process of an Agora node: runs hivemind's DHT and averager for "
@@ -37,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from node.outer.averager import StageAverager
     from node.outer.process import OuterProcess
 
     # "Could not find a group" is routine (a replica alone steps alone, and we log that
@@ -45,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sock = socket.socket(fileno=args.fd)
     try:
-        return OuterProcess(sock).serve()
+        return OuterProcess(sock, averager_cls or StageAverager).serve()
     except Exception as exc:
         logging.getLogger("node.outer").exception("outer process failed")
         try:

@@ -77,8 +77,11 @@ def source_lineage(meta: dict[str, Any]) -> list[Link]:
 
 
 class OuterProcess:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(
+        self, sock: socket.socket, averager_cls: type[StageAverager] = StageAverager
+    ) -> None:
         self.sock = sock
+        self.averager_cls = averager_cls  # a rogue subclass only in chaos tools and tests
         self.decoder = FrameDecoder(max_frame=MAX_CONTROL_FRAME)
         self.inbox: list[Command] = []
         self.lock = threading.Lock()  # guards `state` against the state-sharing thread
@@ -128,7 +131,7 @@ class OuterProcess:
             await_ready=True,
         )
         self.contribution = torch.zeros(init.numel, dtype=torch.float32)
-        self.averager = StageAverager(
+        self.averager = self.averager_cls(
             self.contribution,
             self.dht,
             prefix=self.prefix,

@@ -1,0 +1,63 @@
+"""A rogue outer-loop process: `StageAverager` with one attack from inside a stage's
+averaging group, started in place of `node.outer` through `OuterLink.start(entry=...)`.
+
+Attacks (`--attack`):
+- `freeze_in_group`: the averager stops itself (SIGSTOP) as soon as its group formed,
+  before it sends anything: a member that dies mid-round, at a known moment;
+- `own_part_only`: as the reducer of its part it aggregates its own contribution alone,
+  although it acknowledged the others', and says so in its manifest: every honest member
+  whose contribution it acknowledged catches it (`own_entry_finding`).
+
+This module imports hivemind only through `node.outer` and never imports libp2p: it runs
+as an outer-loop process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any
+
+ATTACKS = ("freeze_in_group", "own_part_only")
+
+
+def rogue_averager(attack: str) -> Any:
+    """The `StageAverager` subclass that runs `attack`."""
+    from node.outer.averager import StageAverager
+
+    class Rogue(StageAverager):
+        _rpc_handlers = None  # collect this class's rpc_* handlers (the same as the base's)
+        _stub_type = None
+
+        async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+            if attack == "freeze_in_group":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return await super()._aggregate_with_group(group_info, *args, **kwargs)
+
+        def _reduce(self, contribs: dict[Any, Any], *args: Any) -> Any:
+            if attack == "own_part_only" and self.peer_id in contribs:
+                contribs = {self.peer_id: contribs[self.peer_id]}
+            return super()._reduce(contribs, *args)
+
+    # hivemind names its handlers after the class: honest members must reach this one
+    Rogue.__name__ = Rogue.__qualname__ = StageAverager.__name__
+    return Rogue
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m swarmlab.chaos.rogue_outer",
+        description="A rogue outer-loop process (one attack from inside an averaging group);"
+        " started by OuterLink.start(entry=...) in chaos tools and tests.",
+    )
+    parser.add_argument("--attack", choices=ATTACKS, required=True)
+    args, rest = parser.parse_known_args(argv)
+    from node.outer.__main__ import main as outer_main
+
+    return outer_main(rest, averager_cls=rogue_averager(args.attack))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
