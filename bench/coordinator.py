@@ -2,7 +2,8 @@
 
 Starts a real coordinator process (SQLite, `sync=full`: every group commit fsynced before
 replies go out) and `--procs` client processes over real sockets. Each client process
-multiplexes its share of the N simulated peers over a few pipelined connections: all
+multiplexes its share of the N simulated peers over a few pipelined TLS connections
+(`node.control_tls`, pinned to the coordinator's certificate): all
 peers join, then each heartbeats once per `--interval` seconds, while `--lease-peers`
 peers per process loop acquire -> 4 commits -> next lease. Reported: sustained
 heartbeats/s and lease ops/s (successful replies only; error replies are counted apart,
@@ -41,10 +42,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from node.control_tls import open_asyncio
 from protocol import control as c
 from protocol.framing import FrameDecoder, frame_message
 from protocol.identity import NodeKey
 from protocol.message import Message
+from protocol.pinning import CoordinatorAddress, parse_address
 from protocol.signing import sign_request
 from swarmlab.configs import write_toml
 from swarmlab.coordinator import CoordinatorProc, start_coordinator
@@ -93,13 +96,18 @@ class Conn:
 
 
 async def worker(
-    port: int, n: int, conns: int, interval: float, duration: float, lease_peers: int
+    address: CoordinatorAddress,
+    n: int,
+    conns: int,
+    interval: float,
+    duration: float,
+    lease_peers: int,
 ) -> dict[str, object]:
     keys = [NodeKey.generate() for _ in range(n)]
     t_join = time.perf_counter()
     cs = []
     for _ in range(conns):
-        r, w = await asyncio.open_connection("127.0.0.1", port)
+        r, w = await open_asyncio(address.host, address.port, address.pin)
         cs.append(Conn(r, w))
     readers = [asyncio.create_task(x.read_loop()) for x in cs]
     joins = []
@@ -235,11 +243,18 @@ def _pin(pid: int, cpus: set[int]) -> None:
 
 
 def run_worker(argv: list[str]) -> int:
-    port, n, conns, interval, duration, lease_peers, out_path = argv
+    address, n, conns, interval, duration, lease_peers, out_path = argv
     import uvloop
 
     out = uvloop.run(
-        worker(int(port), int(n), int(conns), float(interval), float(duration), int(lease_peers))
+        worker(
+            parse_address(address),
+            int(n),
+            int(conns),
+            float(interval),
+            float(duration),
+            int(lease_peers),
+        )
     )
     Path(out_path).write_text(json.dumps(out))
     return 0
@@ -316,7 +331,7 @@ def measure(args: argparse.Namespace, interval: float) -> dict[str, Any]:
             )  # fmt: skip
 
         coord = start()
-        proc, port = coord.popen, coord.port
+        proc = coord.popen
         if pin:
             _pin(proc.pid, {cpus[0]})
         per = [
@@ -330,7 +345,7 @@ def measure(args: argparse.Namespace, interval: float) -> dict[str, Any]:
                     "-m",
                     "bench.coordinator",
                     "--worker",
-                    str(port),
+                    coord.address,
                     str(n),
                     str(args.conns),
                     str(interval),
@@ -364,12 +379,12 @@ def measure(args: argparse.Namespace, interval: float) -> dict[str, Any]:
         proc.wait()
         t0 = time.perf_counter()
         coord2 = start()
-        proc2, port2 = coord2.popen, coord2.port
-        from coordinator.status import fetch_status
+        proc2 = coord2.popen
+        from swarmlab.status import fetch_status
 
         while True:
             try:
-                st = fetch_status("127.0.0.1", port2, timeout_s=5)
+                st, _ = fetch_status(coord2.pinned, timeout_s=5)
                 break
             except OSError:
                 time.sleep(0.01)

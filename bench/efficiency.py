@@ -50,12 +50,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench.efficiency_ft import add_arguments as add_ft_arguments
 from bench.efficiency_ft import cpu_seconds, measure_ft_overhead, say
+from protocol.pinning import parse_address
 
 NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
 SEQ_LEN = 128  # tokens per sequence, as the nodes' default
@@ -220,7 +221,8 @@ def measure_swarm(
             for name, stage in NODES:
                 sw.add_node(name, stage)
         else:
-            coord_real = int(sw.address.rsplit(":", 1)[1])
+            coord = parse_address(sw.address)
+            coord_real = coord.port
             coord_ann = free_port()
             routes = [(coord_real, coord_ann)]
             for name, _ in NODES:
@@ -229,7 +231,9 @@ def measure_swarm(
             _start_proxy(shaping, workdir, routes)
             for name, stage in NODES:
                 real, ann = shaping.routes[name]
-                _add_shaped_node(sw, name, stage, f"127.0.0.1:{coord_ann}", real, ann, config)
+                _add_shaped_node(
+                    sw, name, stage, str(replace(coord, port=coord_ann)), real, ann, config
+                )
         _say("swarm starting (4 nodes import torch and build their stages)", quiet)
         sw.wait_for(
             lambda: _stage0_snapshot(sw)["trained"] > 0, "the first trained micro-batch", 240

@@ -127,6 +127,11 @@ class CoordinatorConfig:
     launcher_token_file: str | None = None  # file whose first line is the launcher token
     facility_stale_s: float = 600.0  # seconds after which a silent facility's report is dropped
     max_facilities: int = 64  # facilities reporting at once (count); a new one past it is refused
+    # TLS on the control port (coordinator/tls.py): an operator's PEM certificate and key;
+    # both None: a self-signed one made once beside the database (<db>.tls-cert.pem/-key.pem)
+    tls_cert: str | None = None  # PEM certificate file (with tls_key)
+    tls_key: str | None = None  # PEM private key file (with tls_cert)
+    tls_handshake_s: float = 10.0  # seconds a new connection has to finish its TLS handshake
 
     def __post_init__(self) -> None:
         self.validate()
@@ -256,6 +261,8 @@ class CoordinatorConfig:
             "relay_reservation_ttl_s must be >= 120 (nodes renew every 60 s)",
         )
         need(self.max_facilities >= 1, "max_facilities must be >= 1")
+        need((self.tls_cert is None) == (self.tls_key is None), "set tls_cert and tls_key together")
+        need(self.tls_handshake_s > 0, "tls_handshake_s must be > 0")
 
 
 def read_token_file(path: Path) -> str:

@@ -1,16 +1,23 @@
 """`agora-coordinator`: run the control plane (membership, placement, DARL leases).
 
 Prints `agora-coordinator listening on HOST:PORT` once it serves (and writes the port to
-`--port-file`), so scripts can start it with `--port 0`.
+`--port-file`), so scripts can start it with `--port 0`. The port speaks TLS only; the
+certificate's fingerprint is printed (`agora-coordinator certificate sha256:...`) and,
+with `--events FILE`, written as the JSON line `{"t", "event": "listening", "host",
+"port", "fingerprint", "cert", "address"}` (`address` is `HOST:PORT#sha256:HEX`, what
+nodes are given) before the port file, so programs read the pin from there, never from
+the log.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, load_config
@@ -19,6 +26,8 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.relay_child import RelayChild, RelayStartError
 from coordinator.server import CoordinatorServer
 from coordinator.store import SQLiteStore
+from coordinator.tls import load_identity, server_context
+from protocol.pinning import CoordinatorAddress
 
 log = logging.getLogger("coordinator")
 
@@ -65,11 +74,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " nodes started with --no-listen; its address is handed to them",
     )  # fmt: skip
     p.add_argument("--relay-port", type=int, help="relay listen port (default 0: OS-chosen)")
+    p.add_argument(
+        "--tls-cert", help="PEM certificate for the control port (with --tls-key; default: a"
+        " self-signed one made once beside --db as DB.tls-cert.pem / DB.tls-key.pem, mode 0600)",
+    )  # fmt: skip
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--events", type=Path,
+        help="append structured events (JSON lines) here: `listening` with the port and the"
+        " certificate fingerprint nodes pin",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p.parse_args(argv)
 
 
-async def serve(cfg: CoordinatorConfig) -> int:
+def write_event(path: Path, event: str, **fields: object) -> None:
+    """Append one structured event (`{"t", "event", ...}`) as a JSON line."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+
+
+async def serve(cfg: CoordinatorConfig, events: Path | None = None) -> int:
     relay = None
     if cfg.relay:
         relay = await RelayChild.start(
@@ -86,13 +111,14 @@ async def serve(cfg: CoordinatorConfig) -> int:
         cfg.relays = [*relay.addrs, *cfg.relays]
         print(f"agora-coordinator relay at {' '.join(relay.addrs)}", flush=True)
     try:
-        return await _serve(cfg, relay)
+        return await _serve(cfg, relay, events)
     finally:
         if relay is not None:
             await relay.stop()
 
 
-async def _serve(cfg: CoordinatorConfig, relay: RelayChild | None) -> int:
+async def _serve(cfg: CoordinatorConfig, relay: RelayChild | None, events: Path | None) -> int:
+    tls = load_identity(cfg)
     tokenizer = load_tokenizer(cfg)
     if len(tokenizer.json) + 4096 > cfg.max_frame_bytes:
         raise ValueError(
@@ -110,6 +136,7 @@ async def _serve(cfg: CoordinatorConfig, relay: RelayChild | None) -> int:
         corpus=corpus,
         metrics=metrics,
         tokenizer_json=tokenizer.json,
+        tls=server_context(tls.cert, tls.key),
     )
     port = await server.start()
     follow = None
@@ -124,6 +151,18 @@ async def _serve(cfg: CoordinatorConfig, relay: RelayChild | None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)
+    address = CoordinatorAddress(host=cfg.host, port=port, pin=tls.fingerprint)
+    log.info(
+        "TLS certificate %s (%s), fingerprint %s",
+        tls.cert,
+        "generated now" if tls.generated else "loaded",
+        tls.fingerprint,
+    )
+    if events is not None:
+        write_event(
+            events, "listening", host=cfg.host, port=port, fingerprint=tls.fingerprint,
+            cert=str(tls.cert), address=str(address),
+        )  # fmt: skip
     if cfg.port_file:
         Path(cfg.port_file).write_text(f"{port}\n")
     log.info(
@@ -135,7 +174,8 @@ async def _serve(cfg: CoordinatorConfig, relay: RelayChild | None) -> int:
         manifest.total_tokens,
         cfg.db,
     )
-    print(f"agora-coordinator listening on {cfg.host}:{port}", flush=True)
+    print(f"agora-coordinator certificate {tls.fingerprint}", flush=True)
+    print(f"agora-coordinator listening on {cfg.host}:{port} (nodes: {address})", flush=True)
     await server.wait_stopped()
     if follow is not None:
         follow.cancel()
@@ -174,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_connections",
             "relay",
             "relay_port",
+            "tls_cert",
+            "tls_key",
         )
     }
     try:
@@ -184,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        return uvloop.run(serve(cfg))
+        return uvloop.run(serve(cfg, args.events))
     except (ValueError, RelayStartError) as exc:
         print(f"agora-coordinator: {exc}", file=sys.stderr)
         return 2

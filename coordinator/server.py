@@ -1,5 +1,7 @@
 """The asyncio control-plane server: connections, group commit, sweeps, restart.
 
+- The listener speaks TLS only (`coordinator.tls`: the certificate clients pin by
+  fingerprint); a connection has `tls_handshake_s` to finish its handshake.
 - The edge, before a signature is checked: at most `max_connections` connections, and
   `max_connections_per_host` from one source (`coordinator.edge.host_key`); the bytes
   of partial frames across all connections within `max_buffered_bytes`; a frame whole
@@ -27,6 +29,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -193,8 +196,10 @@ class CoordinatorServer:
         corpus: bytes,
         metrics: CoordinatorMetrics | None = None,
         tokenizer_json: bytes = b"",  # the run's tokenizer.json (b"": the byte tokenizer)
+        tls: ssl.SSLContext,  # the listener's server context (coordinator.tls.server_context)
     ) -> None:
         self.cfg = cfg
+        self.tls = tls
         self.metrics = metrics or CoordinatorMetrics()
         journal, membership, book, paused = build_state(cfg, store, manifest, time.time())
         self.service = Service(
@@ -244,6 +249,8 @@ class CoordinatorServer:
             self.cfg.port,
             limit=1 << 16,  # bytes the stream reader holds ahead (frames are in `_Conn`)
             backlog=4096,
+            ssl=self.tls,
+            ssl_handshake_timeout=self.cfg.tls_handshake_s,
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
         for coro in (self.commits.run(), self._sweeper()):

@@ -1,17 +1,15 @@
-"""`agora status --coordinator HOST:PORT [--watch]`: a readable view of a run.
+"""The readable view of a run's `StatusReply` that `agora status` shows.
 
-Sends a `StatusRequest` signed with a throw-away key (membership is not needed) over
-a plain blocking socket with a deadline, and shows stages, peers, throughput, leases,
-data progress and ETA with rich. `--watch` keeps one screen refreshed every
-`--interval` seconds (rich Live) for people without Grafana; a failed fetch shows the
-error and the last good view, and Ctrl-C exits cleanly. Torch-free.
+`view` renders stages, peers, throughput, leases, data progress and ETA with rich (and
+the fingerprint of the certificate the status came over); `watch` keeps one screen
+refreshed every `interval_s` seconds (rich Live) for people without Grafana; a failed
+fetch shows the error and the last good view, and Ctrl-C exits cleanly. The command
+itself, which connects, is `swarmlab.status` (clients of the control plane share
+`node.control_tls`, which the coordinator package may not import). Torch-free.
 """
 
 from __future__ import annotations
 
-import argparse
-import socket
-import sys
 import time
 from collections.abc import Callable
 
@@ -20,31 +18,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from protocol.control import ErrorReply, StatusReply, StatusRequest
+from protocol.control import StatusReply
 from protocol.errors import ProtocolError
-from protocol.framing import FrameDecoder, frame_message
-from protocol.identity import NodeKey
-from protocol.signing import sign_request
-
-
-def fetch_status(host: str, port: int, *, timeout_s: float = 10.0) -> StatusReply:
-    req = sign_request(NodeKey.generate(), StatusRequest(), now=time.time(), run=None)
-    dec = FrameDecoder()
-    with socket.create_connection((host, port), timeout=timeout_s) as s:
-        s.settimeout(timeout_s)
-        s.sendall(frame_message(req))
-        while True:
-            chunk = s.recv(1 << 16)
-            if not chunk:
-                raise ConnectionError("coordinator closed the connection without a reply")
-            msgs = dec.feed_messages(chunk)
-            if msgs:
-                reply = msgs[0]
-                if isinstance(reply, ErrorReply):
-                    raise ProtocolError(f"coordinator refused: {reply.code}: {reply.detail}")
-                if not isinstance(reply, StatusReply):
-                    raise ProtocolError(f"unexpected reply {reply.TYPE!r}")
-                return reply
 
 
 def _duration(s: float | None) -> str:
@@ -54,8 +29,9 @@ def _duration(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
 
 
-def view(st: StatusReply) -> Group:
-    """The status as one rich renderable (printed once, or refreshed by `--watch`)."""
+def view(st: StatusReply, fingerprint: str = "") -> Group:
+    """The status as one rich renderable (printed once, or refreshed by `--watch`);
+    `fingerprint`: the certificate it came over."""
     head = Text.from_markup(
         f"[bold]run {st.run_id}[/]  peers {st.peers}"
         + (f"  observers {st.observers}" if st.observers else "")
@@ -79,15 +55,18 @@ def view(st: StatusReply) -> Group:
         f"progress: {st.committed_tokens:,} / {st.epoch_tokens:,} tokens ({pct:.1f}%),"
         f" {st.tokens_per_s:,.0f} tok/s, ETA {_duration(st.eta_s)}"
     )
-    return Group(head, stages, leases, progress)
+    parts: list[RenderableType] = [head, stages, leases, progress]
+    if fingerprint:
+        parts.append(Text(f"coordinator certificate {fingerprint}", no_wrap=True))
+    return Group(*parts)
 
 
-def render(st: StatusReply, console: Console) -> None:
-    console.print(view(st))
+def render(st: StatusReply, console: Console, fingerprint: str = "") -> None:
+    console.print(view(st, fingerprint))
 
 
 def watch(
-    fetch: Callable[[], StatusReply],
+    fetch: Callable[[], tuple[StatusReply, str]],  # the status and the certificate seen
     console: Console,
     *,
     interval_s: float,
@@ -101,7 +80,7 @@ def watch(
             while count is None or shown < count:
                 stamp = time.strftime("%H:%M:%S")
                 try:
-                    last = view(fetch())
+                    last = view(*fetch())
                     footer = Text(f"updated {stamp}; every {interval_s:g}s; Ctrl-C quits", "dim")
                 except (OSError, ProtocolError) as exc:
                     footer = Text(f"{stamp}: cannot fetch status: {exc}; retrying", "red")
@@ -112,46 +91,3 @@ def watch(
     except KeyboardInterrupt:
         pass
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agora status",
-        description="Show a run's stages, peers per stage, throughput, leases by state, data"
-        " progress and ETA, as reported by its coordinator.",
-    )
-    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (10)")
-    parser.add_argument(
-        "--watch", action="store_true", help="keep a live view refreshed until Ctrl-C"
-    )
-    parser.add_argument(
-        "--interval", type=float, default=2.0, help="seconds between --watch refreshes (2)"
-    )
-    parser.add_argument("--count", type=int, help=argparse.SUPPRESS)  # refreshes, for tests
-    args = parser.parse_args(argv)
-    if args.interval <= 0:
-        print(f"agora status: --interval must be > 0, got {args.interval}", file=sys.stderr)
-        return 2
-    host, _, port = args.coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        print(f"agora status: expected HOST:PORT, got {args.coordinator!r}", file=sys.stderr)
-        return 2
-    if args.watch:
-        return watch(
-            lambda: fetch_status(host.strip("[]"), int(port), timeout_s=args.timeout),
-            Console(),
-            interval_s=args.interval,
-            count=args.count,
-        )
-    try:
-        st = fetch_status(host.strip("[]"), int(port), timeout_s=args.timeout)
-    except (OSError, ProtocolError) as exc:
-        print(f"agora status: {args.coordinator}: {exc}", file=sys.stderr)
-        return 1
-    render(st, Console())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,13 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from protocol.addrs import ip_of, multiaddr_problem
+from protocol.pinning import CoordinatorAddress, parse_address
 
 PRECISIONS = ("auto", "fp32", "bf16")  # the stage's compute precision (NodeConfig.precision)
 
 
 @dataclass(kw_only=True, slots=True)
 class NodeConfig:
-    coordinator: str  # HOST:PORT of agora-coordinator
+    # HOST:PORT[#sha256:HEX] of agora-coordinator; the fingerprint pins its TLS certificate
+    coordinator: str
+    coordinator_fingerprint: str | None = None  # sha256:HEX pin (when `coordinator` has none)
     stage: int | None = None  # None = let the coordinator place this node
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto (bf16 autocast on a GPU that has it, fp32 elsewhere) | fp32 | bf16; with bf16 the
@@ -80,9 +83,13 @@ class NodeConfig:
     events_file: Path | None = None  # append structured events here (node.events; None = off)
 
     def __post_init__(self) -> None:
-        host, sep, port = self.coordinator.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"coordinator must be HOST:PORT, got {self.coordinator!r}")
+        address = parse_address(self.coordinator, self.coordinator_fingerprint)
+        if self.join_token and address.pin is None:
+            raise ValueError(
+                "a join token goes only to an authenticated coordinator: give --coordinator"
+                f" {address.hostport}#sha256:HEX (or --coordinator-fingerprint) with the"
+                " fingerprint the coordinator printed at start"
+            )
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"stage must be >= 0, got {self.stage}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -141,9 +148,8 @@ class NodeConfig:
         self.identity = Path(self.identity).expanduser()
 
     @property
-    def coordinator_addr(self) -> tuple[str, int]:
-        host, _, port = self.coordinator.rpartition(":")
-        return host.strip("[]"), int(port)
+    def coordinator_addr(self) -> CoordinatorAddress:
+        return parse_address(self.coordinator, self.coordinator_fingerprint)
 
     @classmethod
     def load(cls, path: Path | None, overrides: dict[str, Any]) -> NodeConfig:

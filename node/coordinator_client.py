@@ -1,6 +1,9 @@
 """Trio client of the coordinator's control plane (see `protocol.control` for the calls).
 
-One TCP connection, one request in flight at a time, every request signed with the
+One TLS connection (`node.control_tls`: the coordinator's certificate checked against
+`pin` before a byte is sent; `PinMismatch` is raised at once, never retried; unpinned,
+the first fingerprint seen is kept and a later different one refused, and no request
+carrying a token is sent), one request in flight at a time, every request signed with the
 node key for the coordinator's run: before its first other request the client asks the
 status (signed for no run, the one request a coordinator takes so) and signs everything
 after for `StatusReply.run_id`. Every call has a deadline. While the coordinator is away (connection refused
@@ -26,6 +29,7 @@ from typing import Any
 
 import trio
 
+from node.control_tls import open_trio_stream, require_pin_for_secrets
 from protocol import control as c
 from protocol.addrs import cap
 from protocol.corpus import Manifest
@@ -33,6 +37,7 @@ from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame_message
 from protocol.identity import NodeKey
 from protocol.message import Message
+from protocol.pinning import CoordinatorAddress
 from protocol.signing import sign_request
 
 log = logging.getLogger(__name__)
@@ -104,11 +109,19 @@ class MembershipView:
 
 class CoordinatorClient:
     def __init__(
-        self, host: str, port: int, key: NodeKey, *, config: ClientConfig | None = None
+        self,
+        host: str,
+        port: int,
+        key: NodeKey,
+        *,
+        config: ClientConfig | None = None,
+        pin: str | None = None,  # `sha256:<hex>` of the coordinator's certificate
     ) -> None:
         self.host, self.port, self.key = host, port, key
         self.cfg = config or ClientConfig()
-        self._stream: trio.SocketStream | None = None
+        self.pin = pin  # the operator's pin: the channel is authenticated
+        self.seen_fingerprint: str | None = None  # the certificate of the first connection
+        self._stream: trio.SSLStream | None = None
         self._decoder = FrameDecoder(max_frame=self.cfg.max_frame_bytes)
         self._lock = trio.Lock()
         self.join_request: c.JoinRequest | None = None
@@ -118,6 +131,13 @@ class CoordinatorClient:
         self._announce: list[str] | None = None  # DHT addresses for the next heartbeat
         self.freed = 0  # freed ranges waiting for a holder, as the last heartbeat reply said
         self._freed_seen = trio.Event()  # set by a reply that reported some
+
+    @classmethod
+    def to(
+        cls, address: CoordinatorAddress, key: NodeKey, *, config: ClientConfig | None = None
+    ) -> CoordinatorClient:
+        """A client of the coordinator at `address` (pinned when it carries a pin)."""
+        return cls(address.host, address.port, key, config=config, pin=address.pin)
 
     @property
     def peer_id(self) -> str:
@@ -131,7 +151,9 @@ class CoordinatorClient:
 
     def _drop_stream(self) -> None:
         if self._stream is not None:
-            self._stream.socket.close()
+            transport = self._stream.transport_stream
+            if isinstance(transport, trio.SocketStream):
+                transport.socket.close()
             self._stream = None
 
     async def __aenter__(self) -> CoordinatorClient:
@@ -144,7 +166,8 @@ class CoordinatorClient:
 
     async def _once(self, body: Message) -> Message:
         if self._stream is None:
-            self._stream = await trio.open_tcp_stream(self.host, self.port)
+            pin = self.pin or self.seen_fingerprint
+            self._stream, self.seen_fingerprint = await open_trio_stream(self.host, self.port, pin)
             self._decoder = FrameDecoder(max_frame=self.cfg.max_frame_bytes)
         if self.run_id is None and not isinstance(body, c.StatusRequest):
             status = await self._exchange(c.StatusRequest(), None)
@@ -171,6 +194,7 @@ class CoordinatorClient:
 
     async def call(self, body: Message, *, retry: bool = True) -> Message:
         """Send one request; return the reply or raise (see the module docstring)."""
+        require_pin_for_secrets(body, self.pin is not None, f"{self.host}:{self.port}")
         give_up = trio.current_time() + (
             self.cfg.retry_deadline_s if retry else self.cfg.call_timeout_s
         )

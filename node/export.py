@@ -67,8 +67,14 @@ def _parser() -> argparse.ArgumentParser:
         " round of each stage is used)",
     )  # fmt: skip
     p.add_argument(
-        "--coordinator", metavar="HOST:PORT",
-        help="assemble from the live replicas of the run this coordinator serves",
+        "--coordinator", metavar="HOST:PORT[#sha256:HEX]",
+        help="assemble from the live replicas of the run this coordinator serves;"
+        " #sha256:HEX pins its TLS certificate (the fingerprint it printed at start), which"
+        " --join-token needs",
+    )  # fmt: skip
+    p.add_argument(
+        "--coordinator-fingerprint", metavar="sha256:HEX",
+        help="the coordinator's certificate pin, when --coordinator carries none",
     )  # fmt: skip
     p.add_argument(
         "--model", type=Path, metavar="DIR",
@@ -130,6 +136,7 @@ def _live_assembled(args: argparse.Namespace) -> Assembled:
     opts = LiveOptions(
         identity=args.identity,
         join_token=args.join_token,
+        fingerprint=args.coordinator_fingerprint,
         timeout_s=args.timeout,
         request_timeout_s=args.request_timeout,
         member_wait_s=args.member_wait,

@@ -32,6 +32,7 @@ import torch
 import trio
 
 from node.checkpoint import split_flat
+from node.control_tls import UnpinnedSecret
 from node.coordinator_client import (
     ClientConfig,
     CoordinatorClient,
@@ -45,6 +46,7 @@ from node.p2p.transport import P2PConfig, RequestRefused, TransportError
 from protocol.control import JoinReply, JoinRequest, PeerInfo, RunInfo
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
+from protocol.pinning import CoordinatorAddress, PinMismatch, parse_address
 from protocol.state import CHUNK_ELEMENTS, STATE_PROTOCOL, StateChunk, StateRequest
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,8 @@ class LiveOptions:
     """Settings of a live export (the `agora export --coordinator` flags)."""
 
     identity: Path | None = None  # key file; None = a throwaway identity
-    join_token: str = ""  # for runs with auth mode "token"
+    join_token: str = ""  # for runs with auth mode "token" (sent only to a pinned coordinator)
+    fingerprint: str | None = None  # sha256:HEX pin of the coordinator, if the address has none
     timeout_s: float = 600.0  # seconds the whole export may take (--timeout)
     request_timeout_s: float = 30.0  # seconds one chunk request may take (--request-timeout)
     # seconds replicas may take to admit the observer: they learn of it from the coordinator
@@ -95,13 +98,6 @@ class StageState:
     round: int
     peer_id: str  # the replica it came from
     flat: torch.Tensor  # fp32, the stage's global state in the outer loop's layout
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--coordinator must be HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def stage_layout(config: ModelConfig, stage: int, n_stages: int) -> StageLayout:
@@ -271,7 +267,7 @@ async def _join(client: CoordinatorClient, opts: LiveOptions) -> JoinReply:
 
 
 async def fetch_live(
-    host: str, port: int, opts: LiveOptions, progress: ProgressFn | None = None
+    address: CoordinatorAddress, opts: LiveOptions, progress: ProgressFn | None = None
 ) -> tuple[RunInfo, dict[int, StageState], bytes | None]:
     """Join as an observer, download every stage's newest global state and the run's
     tokenizer.json (hash-checked; None for the byte tokenizer), leave."""
@@ -281,7 +277,7 @@ async def fetch_live(
     try:
         with trio.fail_after(opts.timeout_s):
             try:
-                return await _session(host, port, key, opts, progress or (lambda *_: None))
+                return await _session(address, key, opts, progress or (lambda *_: None))
             except BaseExceptionGroup as group:  # the libp2p host's nursery wraps errors
                 leaf = _first_error(group)
                 if leaf is None:
@@ -291,18 +287,18 @@ async def fetch_live(
         raise LiveExportError(
             f"the export did not finish within --timeout {opts.timeout_s:g} s"
         ) from None
-    except CoordinatorUnavailable as exc:
+    except (CoordinatorUnavailable, PinMismatch, UnpinnedSecret) as exc:
         raise LiveExportError(str(exc)) from exc
     except CoordinatorError as exc:
         raise LiveExportError(f"the coordinator refused: {exc}") from exc
 
 
 async def _session(
-    host: str, port: int, key: NodeKey, opts: LiveOptions, progress: ProgressFn
+    address: CoordinatorAddress, key: NodeKey, opts: LiveOptions, progress: ProgressFn
 ) -> tuple[RunInfo, dict[int, StageState], bytes | None]:
     transport = Libp2pTransport(key, P2PConfig(listen=[]))  # outbound only
     client_cfg = ClientConfig(retry_deadline_s=min(60.0, opts.timeout_s))
-    async with transport.run(), CoordinatorClient(host, port, key, config=client_cfg) as client:
+    async with transport.run(), CoordinatorClient.to(address, key, config=client_cfg) as client:
         joined = await _join(client, opts)
         run = joined.run
         log.info("export: joined run %s as observer %s", run.run_id, key.peer_id)
@@ -422,14 +418,18 @@ def _rich_progress() -> tuple[Any, ProgressFn]:
 
 
 def live_assembled(address: str, opts: LiveOptions) -> Assembled:
-    """`agora export --coordinator`: fetch the live states and assemble the whole model."""
-    host, port = parse_address(address)
+    """`agora export --coordinator HOST:PORT[#sha256:HEX]`: fetch the live states and
+    assemble the whole model."""
+    try:
+        coordinator = parse_address(address, opts.fingerprint)
+    except ValueError as exc:
+        raise LiveExportError(f"--coordinator: {exc}") from None
     if opts.progress:
         bar, hook = _rich_progress()
         with bar:
-            run, states, tokenizer = trio.run(fetch_live, host, port, opts, hook)
+            run, states, tokenizer = trio.run(fetch_live, coordinator, opts, hook)
     else:
-        run, states, tokenizer = trio.run(fetch_live, host, port, opts)
+        run, states, tokenizer = trio.run(fetch_live, coordinator, opts)
     return assemble_live(run, states, tokenizer_json=tokenizer)
 
 

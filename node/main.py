@@ -7,7 +7,10 @@ leaves and exits 0. A stop asked for at any moment of start-up is kept until the
 run (or, before the join, ends the start-up with exit 0); a second one exits at once (130).
 A join the coordinator refuses (auth,
 ban, no stage whose memory estimate fits the device: `--memory-limit`, protocol.memory)
-exits 3 with the coordinator's reason.
+exits 3 with the coordinator's reason. The control plane is TLS: a coordinator whose
+certificate is not the pinned one (`--coordinator HOST:PORT#sha256:HEX` or
+`--coordinator-fingerprint`) is refused before any request is sent (exit 4, naming both
+fingerprints); a join token is never sent to an unpinned coordinator (exit 2).
 """
 
 from __future__ import annotations
@@ -20,14 +23,13 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 # Only the standard library is imported at module level: `main` installs its stop handler
 # before trio, torch and the node's modules load, so a SIGINT during those imports is
 # kept instead of killing the process with a KeyboardInterrupt traceback.
 if TYPE_CHECKING:
     from node.config import NodeConfig
-    from node.coordinator_client import JoinRefused
     from node.p2p.transport import P2PConfig
     from protocol.identity import NodeKey
 
@@ -70,7 +72,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Join an Agora run as a training peer: serve one pipeline stage, "
         "train on leased data, and leave cleanly on Ctrl-C.",
     )
-    p.add_argument("--coordinator", metavar="HOST:PORT", help="the run's agora-coordinator")
+    p.add_argument(
+        "--coordinator", metavar="HOST:PORT[#sha256:HEX]",
+        help="the run's agora-coordinator; the optional #sha256:HEX (64 hex digits, printed by"
+        " agora-coordinator at start) pins its TLS certificate: a coordinator presenting"
+        " another one is refused before anything is sent. Unpinned, the channel is encrypted"
+        " but the coordinator unauthenticated (a warning says so), and a join token is refused",
+    )  # fmt: skip
+    p.add_argument(
+        "--coordinator-fingerprint", metavar="sha256:HEX",
+        help="the coordinator's certificate pin, when --coordinator carries none",
+    )  # fmt: skip
     p.add_argument("--config", type=Path, help="TOML file with a [node] table")
     p.add_argument("--stage", default=None, help="pipeline stage: auto (default) or a number")
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda or cuda:N")
@@ -167,9 +179,8 @@ async def _p2p_config(cfg: NodeConfig, key: NodeKey) -> P2PConfig:
 
     relays = list(cfg.relays)
     if cfg.no_listen and not relays:
-        host, port = cfg.coordinator_addr
         with trio.move_on_after(60.0):
-            async with CoordinatorClient(host, port, key) as client:
+            async with CoordinatorClient.to(cfg.coordinator_addr, key) as client:
                 relays = list((await client.status()).relays)
         if not relays:
             raise ValueError(
@@ -197,8 +208,7 @@ async def _run(cfg: NodeConfig, key: NodeKey, device: str, early: EarlyStop) -> 
         return 0
     # Nobody is served until the node knows the run's members (Node.run sets the filter).
     transport = Libp2pTransport(key, p2p, allow=lambda _peer: False)
-    host, port = cfg.coordinator_addr
-    async with transport.run(), CoordinatorClient(host, port, key) as client:
+    async with transport.run(), CoordinatorClient.to(cfg.coordinator_addr, key) as client:
         node = Node(cfg, transport, client, device=device)
         async with trio.open_nursery() as nursery:
 
@@ -245,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     from node.config import NodeConfig
     from node.coordinator_client import JoinRefused
     from node.identity import load_or_create_key
+    from protocol.pinning import PinMismatch
 
     try:
         stage = None if args.stage in (None, "auto") else int(args.stage)
@@ -252,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             args.config,
             {
                 "coordinator": args.coordinator,
+                "coordinator_fingerprint": args.coordinator_fingerprint,
                 "stage": stage,
                 "device": args.device,
                 "precision": args.precision,
@@ -290,8 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agora-node metrics on {cfg.metrics_host}:{cfg.metrics_port}", flush=True)
     try:
         return int(trio.run(_run, cfg, key, device, early))
-    except (JoinRefused, BaseExceptionGroup) as exc:
-        refused = join_refusal(exc)
+    except (JoinRefused, PinMismatch, BaseExceptionGroup) as exc:
+        if (mismatch := only(exc, PinMismatch)) is not None:
+            print(f"agora-node: {mismatch}", file=sys.stderr)
+            return 4
+        refused = only(exc, JoinRefused)
         if refused is None:
             raise
         print(f"agora-node: the coordinator refused the join ({refused.code}): {refused.detail}",
@@ -299,14 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-def join_refusal(exc: BaseException) -> JoinRefused | None:
-    """The `JoinRefused` that `exc` is or (within task groups) consists of, else None."""
-    from node.coordinator_client import JoinRefused
+E = TypeVar("E", bound=BaseException)
 
-    if isinstance(exc, JoinRefused):
+
+def only(exc: BaseException, kind: type[E]) -> E | None:
+    """The `kind` exception that `exc` is or (within task groups) consists of, else None."""
+    if isinstance(exc, kind):
         return exc
     if isinstance(exc, BaseExceptionGroup):
-        found = [join_refusal(e) for e in exc.exceptions]
+        found = [only(e, kind) for e in exc.exceptions]
         if found and all(f is not None for f in found):
             return found[0]
     return None

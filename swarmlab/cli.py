@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "baseline": ("node.baseline:main", "train the centralised baseline every swarm is compared to"),
     "node": ("node.main:main", "run a training peer (same as agora-node)"),
     "coordinator": ("coordinator.main:main", "run the coordinator (same as agora-coordinator)"),
-    "status": ("coordinator.status:main", "show a run's stages, peers, leases and progress"),
+    "status": ("swarmlab.status:main", "show a run's stages, peers, leases and progress"),
     "audit": (
         "coordinator.audit:main",
         "reconcile the lease audit log (and an export's lineage); exit 1 on any finding",

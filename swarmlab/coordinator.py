@@ -1,9 +1,10 @@
 """A coordinator as a child process, and the lease audit of its database.
 
 `start_coordinator` runs `python -m coordinator.main` on loopback with a port file
-(port 0: the OS chooses, and the launcher reads the bound port back), optionally with
-Prometheus metrics on a port chosen here; it returns a `CoordinatorProc` once the port
-is bound. `audit(db)` runs `agora audit --json` on a database and returns the parsed
+(port 0: the OS chooses, and the launcher reads the bound port back) and an events file,
+whose `listening` event gives the certificate fingerprint clients pin; optionally with
+Prometheus metrics on a port chosen here. It returns a `CoordinatorProc` once the port
+is bound: its `address` (`127.0.0.1:PORT#sha256:HEX`) is what nodes are given. `audit(db)` runs `agora audit --json` on a database and returns the parsed
 report. Both are torch-free.
 """
 
@@ -18,19 +19,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.pinning import CoordinatorAddress
 from swarmlab.procs import REPO, Proc, child_env, free_port, spawn, wait_for
 
 
 @dataclass
 class CoordinatorProc(Proc):
-    """A running coordinator: `port` is its bound control port."""
+    """A running coordinator: `port` is its bound control port, `fingerprint` the pin of
+    its TLS certificate (`sha256:<hex>`, from its `listening` event)."""
 
     port: int = 0
     host: str = "127.0.0.1"
+    fingerprint: str | None = None
+    events: Path | None = None  # its structured events (JSON lines)
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """`HOST:PORT#sha256:HEX`, the pinned address nodes and tools are given."""
+        return str(self.pinned)
+
+    @property
+    def pinned(self) -> CoordinatorAddress:
+        return CoordinatorAddress(host=self.host, port=self.port, pin=self.fingerprint)
+
+    def listening(self) -> dict[str, Any]:
+        """The last `listening` event of this coordinator (each start appends one)."""
+        found: dict[str, Any] = {}
+        if self.events is not None and self.events.exists():
+            for line in self.events.read_text(encoding="utf-8").splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a line being written
+                if isinstance(event, dict) and event.get("event") == "listening":
+                    found = event
+        return found
 
     def kill(self, sig: int = signal.SIGKILL, timeout_s: float = 30.0) -> int:
         """Send `sig` and wait for the exit code."""
@@ -66,18 +89,22 @@ def start_coordinator(
     workdir = Path(workdir).resolve()
     port_file = workdir / f"{name}.port"
     port_file.unlink(missing_ok=True)
+    events = workdir / f"{name}.events.jsonl"
+    events.unlink(missing_ok=True)
     metrics_port = free_port() if metrics else None
     argv = [
         "-m", "coordinator.main",
         "--host", "127.0.0.1", "--port", str(port),
         "--port-file", str(port_file),
         "--db", str(db),
+        "--events", str(events),
         *(["--config", str(config)] if config is not None else []),
         *(["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
         *args,
     ]  # fmt: skip
     log = workdir / f"{name}.log"
     proc = CoordinatorProc(name, spawn(log, argv, cwd=workdir, env=env), log, metrics_port)
+    proc.events = events
 
     def bound() -> str:
         if not proc.alive():
@@ -92,6 +119,11 @@ def start_coordinator(
         proc.signal(signal.SIGKILL)
         raise
     proc.port = int(port_text)
+    event = proc.listening()  # written before the port file
+    if int(event.get("port", -1)) != proc.port:
+        proc.signal(signal.SIGKILL)
+        raise RuntimeError(f"{name} wrote no listening event for port {proc.port} to {events}")
+    proc.fingerprint = str(event["fingerprint"])
     return proc
 
 

@@ -26,6 +26,7 @@ from node.coordinator_client import CoordinatorClient
 from node.events import read_events
 from protocol.control import StatusReply
 from protocol.identity import NodeKey
+from protocol.pinning import parse_address
 from swarmlab.configs import write_toml
 from swarmlab.coordinator import AuditResult, CoordinatorProc, audit, start_coordinator
 from swarmlab.procs import Proc, free_port, spawn, wait_for
@@ -82,7 +83,8 @@ class LocalSwarm:
 
     def start_coordinator(self, timeout_s: float = 60.0) -> str:
         """Start (or restart, on the same port and database) the coordinator; returns its
-        HOST:PORT."""
+        pinned address, HOST:PORT#sha256:HEX (the certificate persists beside the database,
+        so a restart keeps the pin)."""
         self.coordinator = start_coordinator(
             self.workdir,
             config=self.write_run_config(),
@@ -125,11 +127,11 @@ class LocalSwarm:
         return read_events(self.events_path(name), event)
 
     def status(self, timeout_s: float = 10.0) -> StatusReply:
-        host, port = self.address.rsplit(":", 1)
+        address = parse_address(self.address)
 
         async def ask() -> StatusReply:
             with trio.fail_after(timeout_s):
-                async with CoordinatorClient(host, int(port), NodeKey.generate()) as client:
+                async with CoordinatorClient.to(address, NodeKey.generate()) as client:
                     return await client.status()
 
         return trio.run(ask)

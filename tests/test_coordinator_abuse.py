@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import trio
 from coordinator_harness import write_config
 
+from node.control_tls import connect
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
 from protocol import control as c
 from protocol.codec import decode
@@ -33,7 +33,7 @@ def _raw(port: int, data: bytes) -> list[c.Message]:
     """Send bytes, read replies until the server closes or 3 s pass."""
     dec = FrameDecoder()
     out = []
-    with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+    with connect("127.0.0.1", port, None, timeout_s=3) as s:
         s.sendall(data)
         try:
             while chunk := s.recv(65536):
@@ -43,9 +43,9 @@ def _raw(port: int, data: bytes) -> list[c.Message]:
     return out
 
 
-def _honest(port: int, key: NodeKey, token: str = "") -> c.StatusReply:
+def _honest(port: int, key: NodeKey, token: str = "", pin: str | None = None) -> c.StatusReply:
     async def go() -> c.StatusReply:
-        async with CoordinatorClient("127.0.0.1", port, key, config=FAST) as cl:
+        async with CoordinatorClient("127.0.0.1", port, key, config=FAST, pin=pin) as cl:
             await cl.join(c.JoinRequest(join_token=token))
             await cl.heartbeat()
             return await cl.status()
@@ -86,20 +86,20 @@ def test_bad_frames_flood_auth_admin_and_replay(tmp_path: Path) -> None:
 
     # wrong join token, then the right one
     with pytest.raises(CoordinatorError) as err:
-        _honest(coord.port, key, token="wrong")
+        _honest(coord.port, key, token="wrong", pin=coord.fingerprint)
     assert err.value.code == "unauthorized"
-    assert _honest(coord.port, key, token="s3cret-join").peers == 1
+    assert _honest(coord.port, key, token="s3cret-join", pin=coord.fingerprint).peers == 1
 
     # a flood of idle connections above the limit: refused or cut, honest client served
     flood = []
     for _ in range(120):
         try:
-            flood.append(socket.create_connection(("127.0.0.1", coord.port), timeout=3))
+            flood.append(connect("127.0.0.1", coord.port, None, timeout_s=3))
         except OSError:
             break
     assert len(flood) >= 40
     t0 = time.monotonic()
-    assert _honest(coord.port, key, token="s3cret-join").peers == 1
+    assert _honest(coord.port, key, token="s3cret-join", pin=coord.fingerprint).peers == 1
     assert time.monotonic() - t0 < 20
     for s in flood:
         s.close()
@@ -107,7 +107,9 @@ def test_bad_frames_flood_auth_admin_and_replay(tmp_path: Path) -> None:
 
     # admin calls: refused without the token, accepted with it
     async def admin() -> None:
-        async with CoordinatorClient("127.0.0.1", coord.port, key, config=FAST) as cl:
+        async with CoordinatorClient(
+            "127.0.0.1", coord.port, key, config=FAST, pin=coord.fingerprint
+        ) as cl:
             with pytest.raises(CoordinatorError) as e:
                 await cl.call(c.AdminPause(admin_token="nope", paused=True))
             assert e.value.code == "forbidden"
@@ -146,9 +148,9 @@ def test_allowlist_mode(tmp_path: Path) -> None:
     good, bad = NodeKey.generate(), NodeKey.generate()
     cfg = write_config(tmp_path, auth="allowlist", allowlist=[good.peer_id])
     coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
-    assert _honest(coord.port, good).peers == 1
+    assert _honest(coord.port, good, pin=coord.fingerprint).peers == 1
     with pytest.raises(CoordinatorError) as err:
-        _honest(coord.port, bad)
+        _honest(coord.port, bad, pin=coord.fingerprint)
     assert err.value.code == "unauthorized"
     assert coord.stop() == 0
 
@@ -161,7 +163,9 @@ def test_a_join_or_heartbeat_with_a_bad_address_is_refused(tmp_path: Path) -> No
     good = f"/ip4/127.0.0.1/tcp/4001/p2p/{key.peer_id}"
 
     async def go() -> None:
-        async with CoordinatorClient("127.0.0.1", coord.port, key, config=FAST) as cl:
+        async with CoordinatorClient(
+            "127.0.0.1", coord.port, key, config=FAST, pin=coord.fingerprint
+        ) as cl:
             for bad in (c.JoinRequest(addrs=["garbage"]), c.JoinRequest(dht_addrs=[good, "/x"])):
                 with pytest.raises(CoordinatorError, match="bad_request") as err:
                     await cl.join(bad)
@@ -204,7 +208,7 @@ def test_nested_msgpack_is_refused_while_it_is_read(tmp_path: Path) -> None:
         (reply,) = _raw(coord.port, frame_message(req))
         assert isinstance(reply, c.ErrorReply) and reply.code == "bad_request"
         assert "max_array_len" in reply.detail
-        assert _honest(coord.port, key).peers == 1
+        assert _honest(coord.port, key, pin=coord.fingerprint).peers == 1
     finally:
         coord.stop()
 
@@ -219,9 +223,13 @@ def test_scrape_targets_are_the_source_address_on_an_unprivileged_port(tmp_path:
     )  # fmt: skip
 
     async def go() -> None:
-        async with CoordinatorClient("127.0.0.1", coord.port, NodeKey.generate(), config=FAST) as a:
+        async with CoordinatorClient(
+            "127.0.0.1", coord.port, NodeKey.generate(), config=FAST, pin=coord.fingerprint
+        ) as a:
             await a.join(c.JoinRequest(metrics_port=9100, metrics_host="10.9.9.9"))
-        async with CoordinatorClient("127.0.0.1", coord.port, NodeKey.generate(), config=FAST) as b:
+        async with CoordinatorClient(
+            "127.0.0.1", coord.port, NodeKey.generate(), config=FAST, pin=coord.fingerprint
+        ) as b:
             with pytest.raises(CoordinatorError, match="bad_request.*metrics_port"):
                 await b.join(c.JoinRequest(metrics_port=22))
 

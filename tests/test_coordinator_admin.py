@@ -55,10 +55,12 @@ def test_drain_and_ban_over_the_wire(tmp_path: Path) -> None:
     async def phase1() -> None:
         port = coord.port
         async with (
-            CoordinatorClient("127.0.0.1", port, ka, config=FAST) as a,
-            CoordinatorClient("127.0.0.1", port, kb, config=FAST) as b,
-            CoordinatorClient("127.0.0.1", port, kc, config=FAST) as cc,
-            CoordinatorClient("127.0.0.1", port, kadmin, config=FAST) as admin,
+            CoordinatorClient("127.0.0.1", port, ka, config=FAST, pin=coord.fingerprint) as a,
+            CoordinatorClient("127.0.0.1", port, kb, config=FAST, pin=coord.fingerprint) as b,
+            CoordinatorClient("127.0.0.1", port, kc, config=FAST, pin=coord.fingerprint) as cc,
+            CoordinatorClient(
+                "127.0.0.1", port, kadmin, config=FAST, pin=coord.fingerprint
+            ) as admin,
         ):
             await a.join(c.JoinRequest(throughput=100.0))
             await b.join(c.JoinRequest(throughput=100.0))
@@ -99,9 +101,13 @@ def test_drain_and_ban_over_the_wire(tmp_path: Path) -> None:
     coord = start_coordinator(tmp_path, config=cfg, db=db)
 
     async def phase2() -> None:
-        async with CoordinatorClient("127.0.0.1", coord.port, kb, config=FAST) as b:
+        async with CoordinatorClient(
+            "127.0.0.1", coord.port, kb, config=FAST, pin=coord.fingerprint
+        ) as b:
             assert await _error_code(b.join(c.JoinRequest())) == "banned"
-        async with CoordinatorClient("127.0.0.1", coord.port, ka, config=FAST) as a:
+        async with CoordinatorClient(
+            "127.0.0.1", coord.port, ka, config=FAST, pin=coord.fingerprint
+        ) as a:
             assert (await a.heartbeat()).drain  # the drain flag is durable too
 
     trio.run(phase2)
@@ -123,9 +129,13 @@ def test_deadline_aware_granting(tmp_path: Path) -> None:
     async def main() -> None:
         port = coord.port
         async with (
-            CoordinatorClient("127.0.0.1", port, kshort, config=FAST) as short,
-            CoordinatorClient("127.0.0.1", port, klong, config=FAST) as long_,
-            CoordinatorClient("127.0.0.1", port, kfree, config=FAST) as free,
+            CoordinatorClient(
+                "127.0.0.1", port, kshort, config=FAST, pin=coord.fingerprint
+            ) as short,
+            CoordinatorClient(
+                "127.0.0.1", port, klong, config=FAST, pin=coord.fingerprint
+            ) as long_,
+            CoordinatorClient("127.0.0.1", port, kfree, config=FAST, pin=coord.fingerprint) as free,
         ):
             now = time.time()
             # 1 s of work left after the margin: 10 tokens < min_grant_tokens (16)
@@ -181,8 +191,8 @@ def test_file_sd_follows_joins_and_leaves(tmp_path: Path) -> None:
     async def main() -> None:
         port = coord.port
         async with (
-            CoordinatorClient("127.0.0.1", port, ka, config=FAST) as a,
-            CoordinatorClient("127.0.0.1", port, kb, config=FAST) as b,
+            CoordinatorClient("127.0.0.1", port, ka, config=FAST, pin=coord.fingerprint) as a,
+            CoordinatorClient("127.0.0.1", port, kb, config=FAST, pin=coord.fingerprint) as b,
         ):
             ja = await a.join(c.JoinRequest(metrics_port=9101, metrics_host="127.0.0.1"))
             await b.join(c.JoinRequest())  # no metrics port: not a target
@@ -216,7 +226,10 @@ def test_rebalance_moves_a_peer_to_the_weak_stage(tmp_path: Path) -> None:
     keys = [NodeKey.generate() for _ in range(4)]
 
     async def main() -> None:
-        clients = [CoordinatorClient("127.0.0.1", coord.port, k, config=FAST) for k in keys]
+        clients = [
+            CoordinatorClient("127.0.0.1", coord.port, k, config=FAST, pin=coord.fingerprint)
+            for k in keys
+        ]
         try:
             stages = [(await cl.join(c.JoinRequest(throughput=100.0))).stage for cl in clients]
             assert sorted(stages) == [0, 0, 1, 1]  # placement alternates while balanced
@@ -255,9 +268,9 @@ def test_status_watch_refreshes_and_exits_on_ctrl_c(
             [
                 sys.executable,
                 "-m",
-                "coordinator.status",
+                "swarmlab.status",
                 "--coordinator",
-                f"127.0.0.1:{coord.port}",
+                coord.address,
                 "--watch",
                 "--interval",
                 "0.2",
@@ -273,8 +286,9 @@ def test_status_watch_refreshes_and_exits_on_ctrl_c(
         assert proc.wait(timeout=20) == 0
     text = out.read_text()
     assert "stages" in text and "data epoch 0" in text and "Traceback" not in text
+    assert f"coordinator certificate {coord.fingerprint}" in text
     bad = subprocess.run(
-        [sys.executable, "-m", "coordinator.status", "--coordinator", "x:1", "--interval", "0"],
+        [sys.executable, "-m", "swarmlab.status", "--coordinator", "x:1", "--interval", "0"],
         cwd=REPO,
         env=child_env,
         capture_output=True,

@@ -90,7 +90,7 @@ def test_sigkill_restart_keeps_state_and_audit_is_clean(
 
     trio.run(phase3)
     shown = subprocess.run(
-        [sys.executable, "-m", "coordinator.status", "--coordinator", f"127.0.0.1:{coord.port}"],
+        [sys.executable, "-m", "swarmlab.status", "--coordinator", coord.address],
         cwd=REPO,
         env=child_env,
         capture_output=True,

@@ -74,8 +74,8 @@ def test_observer_membership(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     async def main() -> None:
         port = coord.port
         async with (
-            CoordinatorClient("127.0.0.1", port, kobs, config=FAST) as obs,
-            CoordinatorClient("127.0.0.1", port, knode, config=FAST) as node,
+            CoordinatorClient("127.0.0.1", port, kobs, config=FAST, pin=coord.fingerprint) as obs,
+            CoordinatorClient("127.0.0.1", port, knode, config=FAST, pin=coord.fingerprint) as node,
         ):
             assert await _error_code(obs.join(c.JoinRequest(observer=True))) == "unauthorized"
             bad = c.JoinRequest(observer=True, join_token=TOKEN, stage=0)
@@ -129,8 +129,12 @@ def test_observer_on_an_allowlist(tmp_path: Path) -> None:
 
     async def main() -> None:
         async with (
-            CoordinatorClient("127.0.0.1", coord.port, allowed, config=FAST) as a,
-            CoordinatorClient("127.0.0.1", coord.port, other, config=FAST) as b,
+            CoordinatorClient(
+                "127.0.0.1", coord.port, allowed, config=FAST, pin=coord.fingerprint
+            ) as a,
+            CoordinatorClient(
+                "127.0.0.1", coord.port, other, config=FAST, pin=coord.fingerprint
+            ) as b,
         ):
             assert await _error_code(b.join(c.JoinRequest(observer=True))) == "unauthorized"
             assert (await a.join(c.JoinRequest(observer=True))).stage == 2

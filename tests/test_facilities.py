@@ -239,8 +239,8 @@ def test_a_real_coordinator_refuses_forged_reports(tmp_path: Path) -> None:
 
     async def go() -> None:
         async with (
-            CoordinatorClient("127.0.0.1", coord.port, NodeKey.generate()) as launcher,
-            CoordinatorClient("127.0.0.1", coord.port, NodeKey.generate()) as attacker,
+            CoordinatorClient.to(coord.pinned, NodeKey.generate()) as launcher,
+            CoordinatorClient.to(coord.pinned, NodeKey.generate()) as attacker,
         ):
             first = await launcher.call(real, retry=False)
             assert isinstance(first, FacilityPlan) and first.target_jobs == 4

@@ -20,7 +20,6 @@ import functools
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -34,6 +33,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from node.control_tls import connect
 from protocol.control import (
     HeartbeatRequest,
     JoinRequest,
@@ -161,7 +161,7 @@ class RawPeer:
     """Speaks the control protocol over one TCP socket (signed frames) as many identities."""
 
     def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock = connect("127.0.0.1", port, None, timeout_s=10)
         self.decoder = FrameDecoder()
         self.run: str | None = None  # requests are signed for no run until the status says
         status = self.call(NodeKey.generate(), StatusRequest())

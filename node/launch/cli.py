@@ -15,6 +15,7 @@ from node.identity import load_or_create_key
 from node.launch.base import SchedulerError
 from node.launch.config import LaunchConfig
 from protocol.identity import NodeKey
+from protocol.pinning import PinMismatch
 
 log = logging.getLogger("agora.launch")
 
@@ -28,7 +29,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "gets its walltime end as the node's --deadline. Runs as you; needs no privileges.",
     )
     p.add_argument("scheduler", choices=("slurm", "pbs"), help="the cluster's batch scheduler")
-    p.add_argument("--coordinator", metavar="HOST:PORT", help="the run's agora-coordinator")
+    p.add_argument(
+        "--coordinator", metavar="HOST:PORT#sha256:HEX",
+        help="the run's agora-coordinator, pinned by the fingerprint of its TLS certificate"
+        " (printed by agora-coordinator at start): the launcher token is sent to no other",
+    )  # fmt: skip
     p.add_argument("--facility", help="a unique name for this cluster in the run, e.g. jureca-gpu")
     p.add_argument("--partition", help="Slurm partition / PBS queue the jobs go to")
     p.add_argument("--max-jobs", type=int, help="never more than N jobs (pending + running)")
@@ -63,9 +68,8 @@ async def _run(cfg: LaunchConfig, key: NodeKey, once: bool) -> None:
     from node.launch.slurm import SlurmScheduler
 
     scheduler = SlurmScheduler() if cfg.scheduler == "slurm" else PbsScheduler()
-    host, port = cfg.coordinator_addr
     client_cfg = ClientConfig(call_timeout_s=min(30.0, cfg.interval_s * 2 + 5))
-    async with CoordinatorClient(host, port, key, config=client_cfg) as client:
+    async with CoordinatorClient.to(cfg.coordinator_addr, key, config=client_cfg) as client:
         await Launcher(cfg, scheduler, client).run(once=once)
 
 
@@ -99,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                 "launcher_token_file": args.launcher_token_file,
             },
         )
+        if cfg.coordinator_addr.pin is None:
+            raise ValueError(
+                "--coordinator must carry the coordinator's fingerprint (HOST:PORT#sha256:HEX):"
+                " the launcher token goes only to an authenticated coordinator"
+            )
         cfg.workdir.mkdir(parents=True, exist_ok=True)
         key = load_or_create_key(cfg.identity)
     except (ValueError, OSError) as exc:
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.info("interrupted; jobs keep running (they drain at their deadline)")
         return 130
-    except SchedulerError as exc:
+    except (SchedulerError, PinMismatch) as exc:
         print(f"agora launch: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -15,6 +15,7 @@ from typing import Any
 
 from node.identity import read_token_file
 from node.launch.base import parse_walltime
+from protocol.pinning import CoordinatorAddress, parse_address
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = {
@@ -53,9 +54,7 @@ class LaunchConfig:
             )
         if self.scheduler not in SCRIPTS:
             raise ValueError(f"scheduler must be slurm or pbs, got {self.scheduler!r}")
-        host, sep, port = self.coordinator.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
+        _ = self.coordinator_addr  # validates --coordinator
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,48}", self.facility):
             raise ValueError(f"--facility must be 1-48 of [A-Za-z0-9_.-], got {self.facility!r}")
         if not 0 <= self.max_jobs <= 4096:
@@ -84,9 +83,12 @@ class LaunchConfig:
         return f"agora-{self.facility}"
 
     @property
-    def coordinator_addr(self) -> tuple[str, int]:
-        host, _, port = self.coordinator.rpartition(":")
-        return host.strip("[]"), int(port)
+    def coordinator_addr(self) -> CoordinatorAddress:
+        """HOST:PORT[#sha256:HEX]; the jobs get the same text (pin included)."""
+        try:
+            return parse_address(self.coordinator)
+        except ValueError as exc:
+            raise ValueError(f"--coordinator: {exc}") from None
 
     @classmethod
     def load(cls, path: Path | None, overrides: dict[str, Any]) -> LaunchConfig:

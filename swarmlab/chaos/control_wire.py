@@ -8,11 +8,11 @@ runs on a thread of the chaos process. `Control.call` times each round trip.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+from node.control_tls import connect
 from protocol import control as c
 from protocol.codec import decode
 from protocol.errors import ProtocolError
@@ -44,10 +44,13 @@ def code(msg: Message) -> str:
 
 
 class Control:
-    """One TCP connection to the coordinator; every read and write has `timeout_s`."""
+    """One TLS connection to the coordinator (`node.control_tls.connect`, checked against
+    `pin` when given); every read and write has `timeout_s`."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: float = 5.0) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout_s)
+    def __init__(
+        self, host: str, port: int, *, timeout_s: float = 5.0, pin: str | None = None
+    ) -> None:
+        self.sock = connect(host, port, pin, timeout_s=timeout_s)
         self.decoder = FrameDecoder(max_frame=MAX_REPLY)
         self._ready: list[bytes] = []
         self._run: str | None = None  # learnt from the first status reply

@@ -36,6 +36,7 @@ from typing import Any
 
 from protocol import control as c
 from protocol.identity import NodeKey
+from protocol.pinning import parse_address
 from swarmlab.chaos.control_wire import Control, code
 from swarmlab.chaos.run import Run
 from swarmlab.chaos.schedule import LEASE_TTL_S, ChaosConfig, Fault, plan
@@ -82,8 +83,8 @@ class HeartbeatProbe:
     timing each round trip, and reads committed tokens from the status."""
 
     def __init__(self, address: str, clock: Any, timeout_s: float = LEASE_TTL_S) -> None:
-        host, _, port = address.rpartition(":")
-        self.host, self.port = host, int(port)
+        parsed = parse_address(address)
+        self.host, self.port, self.pin = parsed.host, parsed.port, parsed.pin
         self.clock = clock  # seconds into the window
         self.timeout_s = timeout_s
         self.key = NodeKey.generate()
@@ -106,7 +107,7 @@ class HeartbeatProbe:
             t = self.clock()
             try:
                 if conn is None:
-                    conn = Control(self.host, self.port, timeout_s=self.timeout_s)
+                    conn = Control(self.host, self.port, timeout_s=self.timeout_s, pin=self.pin)
                     conn.call(self.key, c.JoinRequest(observer=True))
                 reply, took = conn.call(self.key, c.HeartbeatRequest())
                 ok = isinstance(reply, c.HeartbeatReply)

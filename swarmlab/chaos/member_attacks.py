@@ -33,6 +33,7 @@ from protocol import control as c
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.message import Message
+from protocol.pinning import parse_address
 from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
 from swarmlab.chaos.control_wire import write_outcome
 from swarmlab.chaos.rogue import MEMBER_WAIT_S, REQUEST_S, encoded, forward, send
@@ -129,9 +130,9 @@ async def oversized_forward(
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    host, _, port_s = args.coordinator.rpartition(":")
-    port = int(port_s)
-    async with CoordinatorClient(host, port, NodeKey.generate()) as client:
+    address = parse_address(args.coordinator)
+    host, port = address.host, address.port
+    async with CoordinatorClient.to(address, NodeKey.generate()) as client:
         run = (await client.join(c.JoinRequest(observer=True))).run
         await client.leave()
     if args.attack == "poison_backward":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -35,12 +36,14 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from node.control_tls import connect
 from protocol import control as c
 from protocol.addrs import multiaddr_problem
 from protocol.codec import encode
 from protocol.framing import HEADER, frame_message
 from protocol.identity import NodeKey
 from protocol.launch import MAX_JOBS, FacilityJob, FacilityReport
+from protocol.pinning import parse_address
 from protocol.signing import NONCE_SIZE, SignedRequest, signed_bytes
 from swarmlab.chaos.control_wire import Control, code, learn_run, signed_frame, write_outcome
 
@@ -160,7 +163,7 @@ def _closed(s: socket.socket) -> bool:
         s.setblocking(False)
         s.recv(4096)  # no bytes: closed; any bytes: a refusal (too_busy) before closing
         return True
-    except BlockingIOError:
+    except (BlockingIOError, ssl.SSLWantReadError):  # nothing to read: still open
         return False
     except OSError:
         return True
@@ -173,7 +176,7 @@ def conn_flood(host: str, port: int, hold_s: float) -> dict[str, Any]:
     failed = 0
     for _ in range(FLOOD_CONNECTIONS):
         try:
-            socks.append(socket.create_connection((host, port), timeout=ANSWER_S))
+            socks.append(connect(host, port, None, timeout_s=ANSWER_S))
         except OSError:
             failed += 1
     time.sleep(min(hold_s, 20.0))
@@ -189,7 +192,7 @@ def conn_flood(host: str, port: int, hold_s: float) -> dict[str, Any]:
 
 
 def slow_drip(host: str, port: int, hold_s: float) -> dict[str, Any]:
-    socks = [socket.create_connection((host, port), timeout=ANSWER_S) for _ in range(DRIPS)]
+    socks = [connect(host, port, None, timeout_s=ANSWER_S) for _ in range(DRIPS)]
     for s in socks:
         s.sendall(HEADER.pack(256))  # promises 256 bytes, then sends one a second
     closed_at: dict[int, float] = {}
@@ -375,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the coordinator's Prometheus endpoint (stranger_lease counts fence writes)",
     )  # fmt: skip
     args = p.parse_args(argv)
-    host, _, port = args.coordinator.rpartition(":")
+    address = parse_address(args.coordinator)
+    host, port = address.host, address.port
     extra = {"metrics": args.coordinator_metrics} if args.attack == "stranger_lease" else {}
     return write_outcome(
         args.json, lambda: ATTACKS[args.attack](host, int(port), args.hold, **extra), (OSError,)

@@ -38,6 +38,7 @@ from protocol import control as c
 from protocol.dataplane import ECHO_PROTOCOL, Echo
 from protocol.identity import NodeKey
 from protocol.message import Message
+from protocol.pinning import parse_address
 from swarmlab.chaos.control_wire import write_outcome
 from swarmlab.chaos.rogue import MEMBER_WAIT_S, REQUEST_S
 
@@ -193,8 +194,8 @@ def judge(out: dict[str, Any]) -> bool | None:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    host, _, port_s = args.coordinator.rpartition(":")
-    return await relay_flood(host, int(port_s), args.circuit_bytes)
+    address = parse_address(args.coordinator)
+    return await relay_flood(address.host, address.port, args.circuit_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

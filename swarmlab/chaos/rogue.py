@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from node.control_tls import connect
 from node.coordinator_client import (
     ClientConfig,
     CoordinatorClient,
@@ -53,6 +53,7 @@ from protocol import control as c
 from protocol.codec import decode, encode
 from protocol.framing import HEADER, FrameDecoder, frame_message
 from protocol.identity import NodeKey
+from protocol.pinning import parse_address
 from protocol.pipeline import FORWARD_PROTOCOL, Forward
 from protocol.signing import sign_request
 from protocol.tensors import EncodedTensor, TensorFrame
@@ -222,12 +223,13 @@ async def member_attack(
     *,
     key: NodeKey | None = None,
     join_token: str = "",
+    pin: str | None = None,
 ) -> dict[str, Any]:
     """Join as a member, attack once, then check that a good request is still refused."""
     key = key or NodeKey.generate()
     transport = Libp2pTransport(key, P2PConfig())
     result: dict[str, Any]
-    async with transport.run(), CoordinatorClient(host, port, key) as client:
+    async with transport.run(), CoordinatorClient(host, port, key, pin=pin) as client:
         await client.join(
             c.JoinRequest(addrs=transport.listen_addrs, stage=0, join_token=join_token)
         )
@@ -273,14 +275,14 @@ async def member_attack(
 
 
 async def outsider_attack(
-    host: str, port: int, victim: str, addrs: list[str], run: c.RunInfo
+    host: str, port: int, victim: str, addrs: list[str], run: c.RunInfo, pin: str | None = None
 ) -> dict[str, Any]:
     """A key outside a closed run: its join is refused, and so is its data-plane request."""
     key = NodeKey.generate()
     out: dict[str, Any] = {"peer_id": key.peer_id}
     quick = ClientConfig(call_timeout_s=5.0, retry_deadline_s=10.0)
     for label, token in (("join", ""), ("join_wrong_token", "not-the-token")):
-        async with CoordinatorClient(host, port, key, config=quick) as client:
+        async with CoordinatorClient(host, port, key, config=quick, pin=pin) as client:
             try:
                 await client.join(c.JoinRequest(stage=1, join_token=token))
                 out[label] = "accepted"
@@ -302,7 +304,7 @@ def _raw_coordinator(host: str, port: int, data: bytes, timeout_s: float = 5.0) 
     """Send bytes to the coordinator; the reply types/codes until it closes or goes quiet."""
     dec = FrameDecoder()
     out: list[str] = []
-    with socket.create_connection((host, port), timeout=timeout_s) as s:
+    with connect(host, port, None, timeout_s=timeout_s) as s:
         s.sendall(data)
         try:
             while chunk := s.recv(65536):
@@ -334,10 +336,10 @@ def coordinator_attack(host: str, port: int) -> dict[str, Any]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    host, _, port_s = args.coordinator.rpartition(":")
-    port = int(port_s)
+    address = parse_address(args.coordinator)
+    host, port = address.host, address.port
     key = NodeKey(open(args.identity, "rb").read()) if args.identity else None
-    async with CoordinatorClient(host, port, key or NodeKey.generate()) as client:
+    async with CoordinatorClient.to(address, key or NodeKey.generate()) as client:
         joined = await client.join(c.JoinRequest(stage=0, join_token=args.join_token))
         view = await client.membership()
         await client.leave()
@@ -353,11 +355,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             elif name == "coordinator":
                 results[name] = await trio.to_thread.run_sync(coordinator_attack, host, port)
             elif name == "outsider":
-                results[name] = await outsider_attack(host, port, args.victim, addrs, run)
+                results[name] = await outsider_attack(
+                    host, port, args.victim, addrs, run, address.pin
+                )
             else:
                 results[name] = await member_attack(
                     name, host, port, args.victim, run,
                     key=key if name == "control" else None, join_token=args.join_token,
+                    pin=address.pin,
                 )  # fmt: skip
         except Exception as exc:  # e.g. the coordinator is being restarted by the chaos
             results[name] = {"outcome": "error", "detail": f"{type(exc).__name__}: {exc}"[:300]}
@@ -370,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m swarmlab.chaos.rogue",
         description="Attack one honest stage peer and the coordinator (for agora chaos).",
     )
-    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT[#sha256:HEX]")
     p.add_argument("--victim", required=True, help="peer id of the honest peer to attack")
     p.add_argument("--json", required=True, help="write the outcomes here")
     p.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated subset")
