@@ -69,7 +69,7 @@ def test_observer_membership(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite", metrics=True)
     metrics_url = f"http://127.0.0.1:{coord.metrics_port}/metrics"
     kobs, knode = NodeKey.generate(), NodeKey.generate()
-    address = f"127.0.0.1:{coord.port}"
+    address = coord.address
 
     async def main() -> None:
         port = coord.port

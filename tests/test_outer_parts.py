@@ -89,7 +89,10 @@ def test_arbitrary_manifests_decode_to_valid_entries_or_raise(obj: list[list[obj
 
 
 def test_gathered_metadata_is_checked() -> None:
-    good = {"round": 3, "digest": "ab", "base_round": 2, "tokens": 10, "ref_norm": 1}
+    good = {
+        "round": 3, "digest": "ab", "base_round": 2, "tokens": 10, "ref_norm": 1,
+        "addrs": ["/ip4/10.0.0.2/tcp/4001"],
+    }  # fmt: skip
     assert checked_gathered(good) == {**good, "ref_norm": 1.0}
     for bad in (
         {**good, "tokens": -1},
@@ -97,6 +100,11 @@ def test_gathered_metadata_is_checked() -> None:
         {**good, "ref_norm": float("inf")},
         {**good, "digest": "x" * 100},
         {**good, "extra": 1},
+        {**good, "addrs": "/ip4/10.0.0.2/tcp/4001"},
+        {**good, "addrs": ["/ip4/10.0.0.2/tcp/4001"] * 17},
+        {**good, "addrs": ["x" * 257]},
+        {**good, "addrs": [""]},
+        {**good, "addrs": [7]},
         {k: v for k, v in good.items() if k != "round"},
         "not a map",
     ):

@@ -52,6 +52,7 @@ class AllGatherRounds(GroupRoundHost):
         self, group_info: GroupInfo, gathered: dict[PeerID, dict[str, Any]], flat: torch.Tensor
     ) -> dict[str, Any]:
         """Every member sends its whole compressed contribution to every other member."""
+        await self._dial_group(gathered, self._exchange_timeout / 8)
         info = CompressionInfo.from_tensor(flat, key=0)
         serialized = self._wire.compress(flat, info, allow_inplace=False)
         mine = list(split_for_streaming(serialized))

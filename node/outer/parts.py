@@ -30,8 +30,10 @@ MAX_DIGEST = 64  # characters in a hex digest
 # the gathered metadata of a member whose own is malformed: it contributes nothing and is
 # never the group's canonical state (round -1)
 NO_METADATA: dict[str, Any] = {
-    "round": -1, "digest": "", "base_round": -1, "tokens": 0, "ref_norm": 0.0,
+    "round": -1, "digest": "", "base_round": -1, "tokens": 0, "ref_norm": 0.0, "addrs": [],
 }  # fmt: skip
+MAX_ADDRS = 16  # addresses a member announces in its gathered metadata
+MAX_ADDR = 256  # characters in one of them
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,8 +114,9 @@ def digest(compression: int, dtype: str, size: Sequence[int], buffer: bytes) -> 
 
 
 def checked_gathered(raw: Any) -> dict[str, Any]:
-    """One member's gathered metadata (round, digest, base_round, tokens, ref_norm), or
-    `NO_METADATA` when it is malformed."""
+    """One member's gathered metadata (round, digest, base_round, tokens, ref_norm, and
+    the multiaddrs its outer process listens on, without `/p2p/`), or `NO_METADATA` when
+    it is malformed."""
     if type(raw) is not dict or set(raw) != set(NO_METADATA):
         return dict(NO_METADATA)
     for key in ("round", "base_round", "tokens"):
@@ -126,6 +129,11 @@ def checked_gathered(raw: Any) -> dict[str, Any]:
     if type(norm) is not float or not math.isfinite(norm) or norm < 0.0:
         return dict(NO_METADATA)
     if type(raw["digest"]) is not str or len(raw["digest"]) > MAX_DIGEST:
+        return dict(NO_METADATA)
+    addrs = raw["addrs"]
+    if type(addrs) is not list or len(addrs) > MAX_ADDRS:
+        return dict(NO_METADATA)
+    if any(type(a) is not str or not 0 < len(a) <= MAX_ADDR for a in addrs):
         return dict(NO_METADATA)
     return {**raw, "ref_norm": norm}
 

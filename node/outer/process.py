@@ -48,6 +48,7 @@ from node.outer.contract import (
     decode_command,
     encode,
 )
+from node.outer.parts import MAX_ADDRS
 from node.outer.wire import compression
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder
@@ -87,6 +88,7 @@ class OuterProcess:
         self.lock = threading.Lock()  # guards `state` against the state-sharing thread
         self.state: OuterState | None = None
         self.digest = ""
+        self.listen_addrs: list[str] = []  # where this DHT listens (multiaddrs, no /p2p/)
         self.lineage: list[Link] = []  # the chain of `state`, ending with it
 
     # ---- socket ----------------------------------------------------------------------
@@ -152,6 +154,7 @@ class OuterProcess:
         )
         self.averager.run_in_background(await_ready=True, timeout=self.cfg.startup_timeout_s)
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
+        self.listen_addrs = [a.split("/p2p/")[0] for a in addrs][:MAX_ADDRS]
         log.info("outer process for %s up: %s", self.prefix, addrs)
         self.send(Ready(addrs=addrs, peer_id=self.dht.peer_id.to_base58()))
         try:
@@ -283,6 +286,7 @@ class OuterProcess:
             "base_round": base.round,
             "tokens": tokens,
             "ref_norm": ref_norm,
+            "addrs": self.listen_addrs,  # groupmates dial these (the daemon may not route)
         }
         try:
             info = self.averager.step(

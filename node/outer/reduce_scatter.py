@@ -121,6 +121,7 @@ class ReduceScatterRounds(GroupRoundHost):
         t0 = time.monotonic()
         reduce_by = t0 + self._exchange_timeout / 2  # contributions after this are late
         done_by = t0 + self._exchange_timeout  # reduced parts after this are missing
+        await self._dial_group(gathered, self._exchange_timeout / 8)
         peers = list(group_info.peer_ids)
         me = peers.index(self.peer_id)
         numel = flat.numel()

@@ -8,15 +8,19 @@ before the round was registered through one shared event.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, TypeVar
 
 from hivemind.compression import CompressionBase
 from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from node.diloco import DilocoConfig
 
 R = TypeVar("R")
+
+log = logging.getLogger(__name__)
 
 
 class GroupRoundHost:
@@ -42,6 +46,25 @@ class GroupRoundHost:
         event = self._registration_event()
         event.set()
         event.clear()
+
+    async def _dial_group(self, gathered: dict[PeerID, dict[str, Any]], timeout: float) -> None:
+        """Dial every groupmate at the addresses it announced in its gathered metadata,
+        for up to `timeout` (s). The p2p daemon keeps only a few bootstrap connections and
+        finds other peers through its DHT, which may not know a groupmate yet (a dial then
+        fails with "routing: not found", or hangs); a groupmate already connected costs
+        nothing. Addresses are a member's own claim: a dial proves the peer id (Noise),
+        and one that fails costs only that member's pushes."""
+
+        async def dial(peer: PeerID, addrs: list[str]) -> None:
+            try:
+                maddrs = [Multiaddr(a) for a in addrs]
+                await asyncio.wait_for(self._p2p._client.connect(peer, maddrs), timeout)
+            except Exception as exc:
+                log.info("dialing %s at its announced addresses failed: %r", peer, exc)
+
+        await asyncio.gather(
+            *(dial(p, g["addrs"]) for p, g in gathered.items() if p != self.peer_id and g["addrs"])
+        )
 
     async def _registered_round(
         self, rounds: dict[bytes, R], gid: bytes, timeout: float
