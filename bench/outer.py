@@ -41,8 +41,8 @@ def bytes_model(scheme: str, members: int, compressed: float) -> dict[str, float
       receives theirs: (R - 1) C each way.
     - reduce-scatter: a member sends R - 1 of its parts to their reducers and its reduced
       part to the R - 1 others, and receives as much: 2 (R - 1) C / R each way. From 3
-      members, one member audits one part: the R - 2 members other than that part's
-      reducer send it one more copy of that part (C / R each), spread over the group.
+      members, one member audits one part: the R - 1 others send it their copy of that
+      part (C / R each), (R - 1) C / R^2 per member each way on average over the group.
     """
     r = members
     if r < 2:
@@ -53,7 +53,7 @@ def bytes_model(scheme: str, members: int, compressed: float) -> dict[str, float
     if scheme != "reduce_scatter":
         raise ValueError(f"scheme must be one of {AVERAGINGS}, got {scheme!r}")
     each = 2 * (r - 1) * compressed / r
-    audit = (r - 2) * (compressed / r) / r if r >= 3 else 0.0  # per member, on average
+    audit = (r - 1) * (compressed / r) / r if r >= 3 else 0.0  # per member, on average
     return {"sent": each + audit, "received": each + audit}
 
 
