@@ -334,6 +334,7 @@ class Membership:
         def wanted(p: Peer) -> bool:
             return stage is None or p.stage == stage
 
+        root = self.dht_root()
         first = self._log_versions[0] if self._log_versions else self.version + 1
         if since == 0 or since + 1 < first or since > self.version:
             i = bisect.bisect_right(self._ids, after) if after else 0
@@ -342,7 +343,7 @@ class Membership:
             peers = [self.live[pid].info() for pid in ids if wanted(self.live[pid])]
             return MembershipReply(
                 version=self.version, full=True, peers=peers, more=more,
-                cursor=ids[-1] if more else "",
+                cursor=ids[-1] if more else "", dht_root=root,
             )  # fmt: skip
         i = bisect.bisect_right(self._log_versions, since)
         chunk = self._log[i : i + page]
@@ -355,7 +356,26 @@ class Membership:
             else:
                 left.append(pid)
         more = i + page < len(self._log)
-        return MembershipReply(version=upto, full=False, peers=joined, left=left, more=more)
+        return MembershipReply(
+            version=upto, full=False, peers=joined, left=left, more=more, dht_root=root
+        )
+
+    def dht_root(self) -> str:
+        """The run's DHT bootstrap that nodes join (and move to): the live member, not an
+        observer, announcing a DHT, that joined first, preferring members with a direct
+        (non-relay) data-plane address, since a node behind NAT cannot be dialled as a
+        bootstrap; ties by peer id. The coordinator assigns it so that no member can take
+        the role by choosing its key (the smallest peer id used to win), and it stays put
+        while its holder lives, so nodes converge on it; "" when no member qualifies."""
+        best: tuple[bool, float, str] | None = None
+        for p in self.live.values():
+            if p.observer or not p.dht_addrs:
+                continue
+            relayed = all("/p2p-circuit" in a for a in p.addrs)
+            key = (relayed, p.joined_at, p.peer_id)
+            if best is None or key < best:
+                best = key
+        return best[2] if best is not None else ""
 
     def _change(self, peer: Peer, change: str) -> None:
         self.version += 1

@@ -90,6 +90,7 @@ class MembershipView:
     def __init__(self) -> None:
         self.version = 0
         self.peers: dict[str, c.PeerInfo] = {}
+        self.dht_root = ""  # the coordinator's DHT bootstrap assignment (a peer id)
 
     def apply(self, reply: c.MembershipReply) -> None:
         """Adopt one delta page, or a full view that came in one page."""
@@ -102,6 +103,7 @@ class MembershipView:
         for pid in reply.left:
             self.peers.pop(pid, None)
         self.version = reply.version
+        self.dht_root = reply.dht_root
 
     def stage(self, stage: int) -> list[c.PeerInfo]:
         return [p for p in self.peers.values() if p.stage == stage]
@@ -351,7 +353,7 @@ class CoordinatorClient:
                     if not reply.full:
                         raise CoordinatorError("bad_reply", "a delta inside a full view")
                     fresh.update((p.peer_id, p) for p in reply.peers)
-                view.peers, view.version = fresh, base
+                view.peers, view.version, view.dht_root = fresh, base, reply.dht_root
                 if reply.version == base:
                     return view  # nothing changed while the pages were read
             else:

@@ -2,8 +2,9 @@
 load the stage's state, tick rounds, and hand each new global state to the node.
 
 A run's nodes may start at the same moment, each with a DHT of its own, so a node moves
-to the run's canonical DHT (the member with the smallest peer id that announces one,
-`PeerView.dht_root`) by restarting its outer process, joining the members' DHTs (root
+to the run's canonical DHT (the member the coordinator assigns, `PeerView.dht_root`:
+the first to have joined among those announcing one, directly reachable first) by
+restarting its outer process, joining the members' DHTs (root
 first):
 - before its first round, when the root is not the DHT it joined;
 - later, when it finds itself on a DHT of its own while other replicas of its stage

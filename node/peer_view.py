@@ -47,6 +47,7 @@ class PeerView:
         self.stage = stage  # this node's stage
         self.members: dict[str, PeerInfo] = {}
         self.version = 0  # the coordinator's membership version of `members`
+        self.root_id = ""  # the coordinator's DHT bootstrap assignment (peer id; "" none)
         self.rejected: dict[str, str] = {}  # peer id -> why its entry was left out
 
     @property
@@ -65,7 +66,7 @@ class PeerView:
         enough after they failed are alive again (module docstring)."""
         asked_at = trio.current_time()
         view = await client.membership()
-        self.update(view.version, dict(view.peers))
+        self.update(view.version, dict(view.peers), view.dht_root)
         if client.joined is not None:
             revived = self.router.listed(self.members, asked_at - proof_s(client.joined.run))
             for peer_id in revived:
@@ -80,8 +81,9 @@ class PeerView:
             except (CoordinatorError, CoordinatorUnavailable) as exc:
                 log.debug("node: membership refresh failed: %s", exc)
 
-    def update(self, version: int, peers: dict[str, PeerInfo]) -> None:
-        """Adopt the coordinator's view at `version`, without the entries that do not parse."""
+    def update(self, version: int, peers: dict[str, PeerInfo], dht_root: str = "") -> None:
+        """Adopt the coordinator's view at `version`, without the entries that do not
+        parse, and its DHT bootstrap assignment `dht_root`."""
         valid = {}
         for peer_id, peer in peers.items():
             problem = self._admit(peer)
@@ -98,6 +100,7 @@ class PeerView:
                 log.info("node: %s re-joined with new addresses; routing to it", peer_id)
         self.members = valid
         self.version = version
+        self.root_id = dht_root
         self.router.forget(set(self.members))
         after = set(self.next_stage_peers())
         if after != before:  # the last stage has no next stage: always empty
@@ -139,26 +142,22 @@ class PeerView:
         return any(p.dht_addrs for p in self._on_stage(self.stage) if p.peer_id != self.me)
 
     def dht_root(self) -> PeerInfo | None:
-        """The run's canonical DHT bootstrap: the member with the smallest peer id that
-        announces a DHT, or None when that is this node. Nodes that start at the same
-        moment each begin a DHT of their own; before their first round they all move to
-        the root's, so groups can form. The smallest id never moves, so this converges."""
-        root = min(
-            (
-                p
-                for p in self.members.values()
-                if p.dht_addrs and p.peer_id != self.me and not p.observer
-            ),
-            key=lambda p: p.peer_id,
-            default=None,
-        )
-        return root if root is not None and root.peer_id < self.me else None
+        """The run's canonical DHT bootstrap, as the coordinator assigns it
+        (`MembershipReply.dht_root`), or None when that is this node, or no member the
+        view admits. Nodes that start at the same moment each begin a DHT of their own;
+        before their first round they all move to the root's, so groups can form. The
+        assignment stays put while its holder lives, so this converges; no member can
+        take the role by choosing its key."""
+        root = self.members.get(self.root_id)
+        if root is None or root.peer_id == self.me or not root.dht_addrs or root.observer:
+            return None
+        return root
 
     def dht_bootstrap(self) -> list[str]:
         """DHT addresses to join: the root's first, then every other member's, so a root
         that just died (still listed until its TTL lapses) does not strand us."""
         others = sorted(
             (p for p in self.members.values() if p.dht_addrs and not p.observer),
-            key=lambda p: p.peer_id,
+            key=lambda p: (p.peer_id != self.root_id, p.peer_id),
         )
         return [a for p in others if p.peer_id != self.me for a in p.dht_addrs]

@@ -301,6 +301,10 @@ class MembershipReply(Message):
     left: list[str] = bounded(max_len=MAX_PEERS_PER_PAGE, default_factory=list)
     more: bool = False  # another page follows (delta: since=version; full: after=cursor)
     cursor: str = bounded(max_len=PEER_ID_LEN, default="")  # full view: the next `after`
+    # the run's DHT bootstrap as the coordinator assigns it now: the live member, not an
+    # observer, announcing a DHT, that joined first (directly reachable ones before those
+    # with relay addresses only); "" when none
+    dht_root: str = bounded(max_len=PEER_ID_LEN, default="")
 
 
 @message("manifest.get", version=1)

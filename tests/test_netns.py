@@ -188,9 +188,11 @@ def spawn_in(net: Net, host: str, workdir: Path, name: str, args: list[str]) -> 
 
 
 def ordered_keys(workdir: Path) -> dict[str, str]:
-    """Identity files for the nodes, n1's peer id the largest: the run's DHT root (the
-    smallest peer id announcing a DHT) is then a node others can dial."""
-    keys = sorted((NodeKey.generate() for _ in NODES), key=lambda k: k.peer_id)
+    """Identity files for the nodes, n1's peer id the smallest: when the smallest id
+    announcing a DHT was the run's DHT root, n1 behind the NAT took the role and nobody
+    could dial it; the coordinator now assigns the root among directly reachable members
+    (`coordinator.membership.Membership.dht_root`)."""
+    keys = sorted((NodeKey.generate() for _ in NODES), key=lambda k: k.peer_id, reverse=True)
     ids = {}
     for name, key in zip(NODES, keys, strict=True):
         (workdir / f"{name}.key").write_bytes(key.seed)

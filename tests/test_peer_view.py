@@ -56,11 +56,19 @@ def test_members_with_bad_addresses_are_left_out_and_the_rest_kept() -> None:
     assert v.next_stage_peers() == [] and list(v.rejected) == [good.peer_id]
 
 
-def test_dht_root_is_the_smallest_other_id_below_ours() -> None:
+def test_dht_root_is_the_coordinators_assignment() -> None:
     v = view(1)
     others = [peer(0, dht=["/ip4/127.0.0.1/tcp/5000"]) for _ in range(4)]
-    v.update(1, {p.peer_id: p for p in others})
-    smallest = min(p.peer_id for p in others)
+    members = {p.peer_id: p for p in others}
+    largest = max(p.peer_id for p in others)
+    v.update(1, members, dht_root=largest)  # whatever its id: no key grinding wins it
     root = v.dht_root()
-    assert (root.peer_id if root else None) == (smallest if smallest < v.me else None)
+    assert root is not None and root.peer_id == largest
+    assert v.dht_bootstrap()[0] == others[[p.peer_id for p in others].index(largest)].dht_addrs[0]
     assert len(v.dht_bootstrap()) == 4
+    v.update(2, members, dht_root="")  # no assignment: no root to move to
+    assert v.dht_root() is None
+    v.update(3, members, dht_root=v.me)  # this node is the root: it stays where it is
+    assert v.dht_root() is None
+    v.update(4, members, dht_root="12D3KooWnotamember")  # not in the view: ignored
+    assert v.dht_root() is None
