@@ -16,6 +16,7 @@ from node.outer.parts import (
     checked_gathered,
     decode_header,
     decode_manifest,
+    group_claims,
     group_ref_norm,
     own_entry_finding,
 )
@@ -136,3 +137,38 @@ def test_a_member_catches_a_reducer_that_misreports_its_contribution() -> None:
     assert own_entry_finding(rejected, "QmA", dg, 3.0, "non-finite values") is None
     median = [Entry(peer="QmA", weight=0.0, reason="norm 9 above 20 x median 0.1", digest=dg)]
     assert own_entry_finding(median, "QmA", dg, 3.0, None) is None  # the auditor's to check
+
+
+def claim(rnd: int, tokens: int) -> dict[str, int]:
+    return {"round": rnd, "base_round": rnd, "tokens": tokens}
+
+
+def test_group_claims_by_example() -> None:
+    assert group_claims([], 4.0) == (-1, [], [])
+    # one liar in three: its round does not make the others stale, its tokens are capped
+    head, stale, tokens = group_claims([claim(5, 1000), claim(2**62, 10**15), claim(5, 900)], 4.0)
+    assert head == 5 and stale == [0, 0, 0] and tokens == [1000, 4 * 1000, 900]
+    # two honest members, one behind: the newer round is the head, as before
+    head, stale, tokens = group_claims([claim(3, 100), claim(5, 100)], 4.0)
+    assert head == 5 and stale == [2, 0] and tokens == [100, 100]
+    # a replica out of data (0 tokens) does not pull the cap to 0
+    assert group_claims([claim(1, 0), claim(1, 700)], 4.0)[2] == [0, 700]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    honest=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 10**6)), min_size=1, max_size=8),
+    liars=st.lists(st.tuples(st.integers(0, 2**62), st.integers(0, 2**62)), min_size=0, max_size=7),
+    ratio=st.floats(1.0, 16.0),
+)
+def test_a_minority_of_claims_cannot_steer_the_head_or_the_weights(
+    honest: list[tuple[int, int]], liars: list[tuple[int, int]], ratio: float
+) -> None:
+    liars = liars[: (len(honest) - 1)]  # strictly fewer liars than honest members
+    gathered = [claim(r, t) for r, t in honest] + [claim(r, t) for r, t in liars]
+    head, stale, tokens = group_claims(gathered, ratio)
+    assert head <= max(r for r, _ in honest)  # no liar makes the honest ones staler
+    top = max(t for _, t in honest)
+    assert all(t <= ratio * top for t in tokens)  # no claim counts more than ratio x honest
+    assert all(tokens[i] == min(t, tokens[i]) for i, (_, t) in enumerate(honest))
+    assert all(s >= 0 for s in stale)

@@ -20,6 +20,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from node.diloco import Contribution, aggregate
+from node.outer.parts import group_claims
 from node.outer.round_host import GroupRoundHost
 from node.outer.wire import decode_tensor
 
@@ -81,13 +82,16 @@ class AllGatherRounds(GroupRoundHost):
             own = decode_tensor(serialized)  # what the others decoded
             received = dict(ex.received)
             received[self.peer_id] = own
-            head = max(int(g["round"]) for g in gathered.values())
-            order = [p for p in group_info.peer_ids if p in received]
+            peers = list(group_info.peer_ids)
+            _head, stale, counted = group_claims(
+                [gathered[p] for p in peers], self._diloco.max_token_ratio
+            )
+            order = [p for p in peers if p in received]
             contribs = [
                 Contribution(
                     delta=received[p],
-                    tokens=int(gathered[p]["tokens"]),
-                    staleness=max(0, head - int(gathered[p]["base_round"])),
+                    tokens=counted[peers.index(p)],
+                    staleness=stale[peers.index(p)],
                 )
                 for p in order
             ]

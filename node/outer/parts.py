@@ -145,6 +145,31 @@ def group_ref_norm(gathered: Sequence[dict[str, Any]]) -> float:
     return norms[(len(norms) - 1) // 2] if norms else 0.0
 
 
+def group_claims(
+    gathered: Sequence[dict[str, Any]], max_token_ratio: float
+) -> tuple[int, list[int], list[int]]:
+    """What a group counts of its members' own claims (in `gathered`'s order), so that a
+    minority cannot steer it: (head round, each member's staleness, each member's
+    counted tokens).
+
+    - The head is the upper median of the claimed rounds: inflated rounds from fewer
+      than half the members cannot make the others' contributions stale (with the max,
+      one claim of round 2**62 dropped every honest contribution).
+    - A member's tokens count up to `max_token_ratio` times the lower median of the
+      positive claims: an inflated claim cannot outweigh the group (zero claims, e.g.
+      from a replica out of data, do not pull the cap down).
+    """
+    if not gathered:
+        return -1, [], []
+    rounds = sorted(int(g["round"]) for g in gathered)
+    head = rounds[len(rounds) // 2]
+    staleness = [max(0, head - int(g["base_round"])) for g in gathered]
+    positive = sorted(t for g in gathered if (t := int(g["tokens"])) > 0)
+    cap = int(max_token_ratio * positive[(len(positive) - 1) // 2]) if positive else 0
+    tokens = [min(int(g["tokens"]), cap) for g in gathered]
+    return head, staleness, tokens
+
+
 def audit_choice(group_id: bytes, members: int, parts: int) -> tuple[int, int] | None:
     """(auditor, part): the member that re-aggregates one part from the raw contributions,
     and that part (never the auditor's own), both drawn from the group id; None below 3

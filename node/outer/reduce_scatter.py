@@ -39,6 +39,7 @@ from node.outer.parts import (
     audit_choice,
     decode_header,
     digest,
+    group_claims,
     group_ref_norm,
     own_entry_finding,
 )
@@ -203,12 +204,12 @@ class ReduceScatterRounds(GroupRoundHost):
         self, peers: list[PeerID], gathered: dict[PeerID, dict[str, Any]]
     ) -> dict[str, Any]:
         """What every member derives alike from the gathered metadata: each peer's owed
-        weight (tokens x staleness weight), tokens, staleness, and the group's reference
-        norm."""
-        head = max(int(g["round"]) for g in gathered.values())
-        staleness = {p: max(0, head - int(gathered[p]["base_round"])) for p in peers}
-        tokens = {p: int(gathered[p]["tokens"]) for p in peers}
+        weight (tokens x staleness weight), counted tokens and staleness (`group_claims`),
+        and the group's reference norm."""
         cfg = self._diloco
+        _head, stale, counted = group_claims([gathered[p] for p in peers], cfg.max_token_ratio)
+        staleness = dict(zip(peers, stale, strict=True))
+        tokens = dict(zip(peers, counted, strict=True))
         owed = {
             p: tokens[p] * staleness_weight(staleness[p], cfg.staleness_decay, cfg.max_staleness)
             for p in peers

@@ -46,6 +46,8 @@ class DilocoConfig:
         0.0  # centered-clipping radius tau (parameter units); 0 = plain weighted mean
     )
     clip_iters: int = 3  # centered-clipping iterations (count)
+    # a member's claimed tokens count up to this x the group's median claim (dimensionless)
+    max_token_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.eta <= 10.0:
@@ -67,6 +69,8 @@ class DilocoConfig:
                 f"max_rel_norm must be > 0 and max_median_ratio > 1, got "
                 f"{self.max_rel_norm} and {self.max_median_ratio}"
             )
+        if self.max_token_ratio < 1.0:
+            raise ValueError(f"max_token_ratio must be >= 1, got {self.max_token_ratio}")
         if self.clip_radius < 0.0 or self.clip_iters < 1:
             raise ValueError(
                 f"clip_radius must be >= 0 and clip_iters >= 1, got {self.clip_radius}, {self.clip_iters}"
