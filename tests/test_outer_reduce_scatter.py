@@ -166,3 +166,27 @@ def test_a_reducer_that_leaves_out_acknowledged_contributions_is_caught(
     name = c.peer_id
     for r in (ra, rb):
         assert "left out a contribution it acknowledged" in r.rejected.get(name, ""), r.rejected
+
+
+@pytest.mark.parametrize("attack", ["scaled_delta", "nan_delta", "inflated_claims"])
+def test_a_member_with_a_hostile_contribution_is_rejected_or_bounded(
+    links: list[OuterLink], child_env: dict[str, str], attack: str
+) -> None:
+    """C contributes its delta x 100, or with NaNs: every reducer rejects it (the median
+    check, the finite check), A and B end identical and their own contributions count.
+    Or C claims round 2**62 and 1e15 tokens: the aggregate counts the upper median round
+    (A and B stay fresh, none is rejected) and C's tokens at most 4 x the median claim;
+    A and B end identical. (They then do not step: the group's canonical state is still
+    the highest claimed round, which only coordinator-attested rounds can settle.)"""
+    members, theta0, (ra, rb, _rc) = grouped_round(
+        links, child_env, {2: attack}, lambda rs: all(r.group_size == 3 for r in rs[:2])
+    )
+    a, b, c = members
+    assert ra.digest == rb.digest and torch.equal(a.theta_g(), b.theta_g())
+    if attack == "inflated_claims":
+        assert ra.rejected == rb.rejected == {}, (ra.rejected, rb.rejected)
+        assert ra.tokens == rb.tokens == 100 + 200 + 4 * 200, (ra, rb)
+        return
+    assert ra.contributed and rb.contributed, (ra, rb)
+    assert c.peer_id in ra.rejected and c.peer_id in rb.rejected, ra.rejected
+    assert not any(p in ra.rejected for p in (a.peer_id, b.peer_id)), ra.rejected

@@ -6,7 +6,9 @@ Attacks (`--attack`):
   before it sends anything: a member that dies mid-round, at a known moment;
 - `own_part_only`: as the reducer of its part it aggregates its own contribution alone,
   although it acknowledged the others', and says so in its manifest: every honest member
-  whose contribution it acknowledged catches it (`own_entry_finding`).
+  whose contribution it acknowledged catches it (`own_entry_finding`);
+- `scaled_delta`, `nan_delta`: it contributes its pseudo-gradient times 100, or with NaNs;
+- `inflated_claims`: it claims round 2**62 and 10**15 tokens in its gathered metadata.
 
 This module imports hivemind only through `node.outer` and never imports libp2p: it runs
 as an outer-loop process.
@@ -20,7 +22,7 @@ import signal
 import sys
 from typing import Any
 
-ATTACKS = ("freeze_in_group", "own_part_only")
+ATTACKS = ("freeze_in_group", "own_part_only", "scaled_delta", "nan_delta", "inflated_claims")
 
 
 def rogue_averager(attack: str) -> Any:
@@ -35,6 +37,16 @@ def rogue_averager(attack: str) -> Any:
             if attack == "freeze_in_group":
                 os.kill(os.getpid(), signal.SIGSTOP)
             return await super()._aggregate_with_group(group_info, *args, **kwargs)
+
+        def step(self, *args: Any, gather: Any = None, **kwargs: Any) -> Any:
+            with self.get_tensors() as tensors:  # the contribution, as the host wrote it
+                if attack == "scaled_delta":
+                    tensors[0].mul_(100.0)
+                elif attack == "nan_delta":
+                    tensors[0][::7] = float("nan")
+            if attack == "inflated_claims" and isinstance(gather, dict):
+                gather = {**gather, "round": 2**62, "base_round": 2**62, "tokens": 10**15}
+            return super().step(*args, gather=gather, **kwargs)
 
         def _reduce(self, contribs: dict[Any, Any], *args: Any) -> Any:
             if attack == "own_part_only" and self.peer_id in contribs:
