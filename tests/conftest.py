@@ -1,4 +1,5 @@
-"""Shared fixtures: every child process a test starts is reaped at the end of the session."""
+"""Shared fixtures: every child process a test starts is reaped at the end of the session;
+`child_env` for children; `links` for the outer-loop processes a test starts."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from swarmlab.procs import child_env
+
+if TYPE_CHECKING:
+    from node.outer_link import OuterLink
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -44,3 +49,17 @@ def reap_children() -> Iterator[None]:
 def child_env_fixture() -> dict[str, str]:
     """`swarmlab.procs.child_env()`: one torch thread each, this checkout on the path."""
     return child_env()
+
+
+@pytest.fixture
+def links(child_env: dict[str, str]) -> Iterator[list[OuterLink]]:
+    """Outer-loop processes a test starts (`OuterLink.start`); each is resumed (a test
+    may have stopped it) and closed at the end."""
+    made: list[OuterLink] = []
+    yield made
+    for link in made:
+        try:
+            os.killpg(link.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        link.close(timeout=10.0)

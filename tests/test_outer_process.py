@@ -12,10 +12,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 import trio
 
@@ -41,18 +40,6 @@ CFG = OuterConfig(
     state_timeout_s=10.0,
     diloco=DilocoConfig(eta=0.7, mu=0.9, target_tokens=400),
 )
-
-
-@pytest.fixture
-def links(child_env: dict[str, str]) -> Iterator[list[OuterLink]]:
-    made: list[OuterLink] = []
-    yield made
-    for link in made:
-        try:
-            os.killpg(link.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        link.close(timeout=10.0)
 
 
 def start(links: list[OuterLink], env: dict[str, str], run: str, peers: list[str]) -> OuterLink:
@@ -264,7 +251,7 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
 ) -> None:
     """B starts before A announced its DHT, so B's outer process starts a DHT of its own,
     and B steps rounds alone there while A exists: the commit rule holds their ranges.
-    Once B learns A's DHT (the run's root: the smaller peer id) it moves there after
+    Once B learns A's DHT (the run's root, as the coordinator assigns it) it moves there after
     `LONE_ROUNDS_TO_MOVE` lone rounds, although it has applied rounds already; it takes
     A's state, so the held lone rounds' ranges go back; the stage's next round is a group
     round and B's ranges commit. Real outer processes, OuterLoop, PeerView and LeasePool."""
@@ -276,7 +263,7 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
     )  # fmt: skip
     every = 5
     announced: dict[str, list[str]] = {}
-    ids = ("12D3KooWAaaa", "12D3KooWBbbb")  # A < B: A's DHT is the run's root
+    ids = ("12D3KooWAaaa", "12D3KooWBbbb")  # A's DHT is the run's root
 
     def view(known: dict[str, list[str]]) -> dict[str, PeerInfo]:
         return {
@@ -342,8 +329,9 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
             nursery.start_soon(b.run)
             train_b(2, seed=20)  # windows [0, 8)
             await until("B's first round", lambda: len(verdicts) == 1, 30)
-            views[ids[1]].update(2, view(announced))  # now B knows A's DHT (the root)
-            views[ids[0]].update(2, view(announced))
+            # now B knows A's DHT, which the coordinator assigns as the root (A joined first)
+            views[ids[1]].update(2, view(announced), dht_root=ids[0])
+            views[ids[0]].update(2, view(announced), dht_root=ids[0])
             for i in range(1, LONE_ROUNDS_TO_MOVE):
                 train_b(2, seed=20 + i)
                 await until("B's lone rounds", lambda i=i: len(verdicts) == i + 1, 30)  # type: ignore[misc]

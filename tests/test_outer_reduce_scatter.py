@@ -7,11 +7,9 @@ The pytest process only imports `node.outer_link` (no hivemind).
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,18 +26,6 @@ CFG = OuterConfig(
     averaging="reduce_scatter",
     diloco=DilocoConfig(eta=0.7, mu=0.9, target_tokens=600),
 )
-
-
-@pytest.fixture
-def links(child_env: dict[str, str]) -> Iterator[list[OuterLink]]:
-    made: list[OuterLink] = []
-    yield made
-    for link in made:
-        try:
-            os.killpg(link.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        link.close(timeout=10.0)
 
 
 def start(
