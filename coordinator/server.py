@@ -6,9 +6,10 @@
   within `frame_deadline_s` of its first byte (`idle_timeout_s` between frames); each
   request through its source's token bucket (`rate_per_host`). Over any of them the
   request is refused or the connection closed (`agora_coordinator_edge_refusals_total`).
-- Each connection reads frames, answers them in order through `Service.handle`, waits
-  until the changes they made are durable (group commit), then writes the replies.
-  Requests on one connection may be pipelined. The ed25519 checks of everything one
+- Each connection reads frames, answers them in order through the service, then, unless
+  every answer of the read is soft (`Answer.durable` false: a heartbeat that only renewed
+  liveness), waits until every change made so far is durable (group commit), then writes
+  the replies. Requests on one connection may be pipelined. The ed25519 checks of everything one
   read brought in run as one job on a small verify thread pool (`verify_threads`; the
   libsodium and OpenSSL calls release the GIL), so a many-core host checks signatures
   in parallel while the event loop applies the already-verified requests.
@@ -40,8 +41,9 @@ from coordinator.journal import Batch, Journal
 from coordinator.leases import LeaseBook, Shard, restore_book
 from coordinator.membership import Membership, Peer
 from coordinator.metrics import CoordinatorMetrics, write_file_sd
-from coordinator.service import BadFrame, Service, signatures_ok
+from coordinator.service import BadFrame, Service
 from coordinator.store import Store, read_epoch_events
+from coordinator.verify import signatures_ok
 from protocol.control import ErrorReply, HeartbeatRequest
 from protocol.corpus import Manifest
 from protocol.errors import ProtocolError
@@ -130,7 +132,10 @@ class GroupCommit:
 def build_state(
     cfg: CoordinatorConfig, store: Store, manifest: Manifest, now: float
 ) -> tuple[Journal, Membership, LeaseBook, bool]:
-    """Load state from the store, or initialise a fresh run from the manifest."""
+    """Load state from the store, or initialise a fresh run from the manifest. Renewals
+    were never stored, so every stored live peer and active lease gets one TTL from
+    `now` (the grace period) before it can lapse."""
+    grace_until = now + cfg.lease_ttl_s
     journal = Journal()
     snap = store.load()
     if snap.shards:
@@ -146,7 +151,7 @@ def build_state(
             snap.meta,
             journal=journal,
             ttl_s=cfg.lease_ttl_s,
-            expiry_slack_s=cfg.expiry_slack(),
+            grace_until=grace_until,
             order_seed=cfg.seed,
         )
     else:
@@ -155,7 +160,6 @@ def build_state(
             shards,
             journal=journal,
             ttl_s=cfg.lease_ttl_s,
-            expiry_slack_s=cfg.expiry_slack(),
             order_seed=cfg.seed,
         )
         for s in book.shards.values():
@@ -174,7 +178,7 @@ def build_state(
         version=int(snap.meta.get("membership_version", "0")),
         peers=[Peer.from_row(r) for r in snap.peers],
         mlog=snap.mlog,
-        expiry_slack_s=cfg.expiry_slack(),
+        grace_until=grace_until,
     )
     for p in list(membership.live.values()):
         if p.stage >= cfg.n_stages:  # n_stages shrank between runs
@@ -441,12 +445,14 @@ class CoordinatorServer:
             verdicts = iter(oks)
             replies: list[bytes] = []
             methods: list[str] = []
+            durable = tail is not None
             for entry in entries:
                 reply: Message
                 if isinstance(entry, ErrorReply):
-                    method, reply = "unknown", entry
+                    method, reply, durable = "unknown", entry, True
                 else:
-                    method, reply = svc.apply(entry, next(verdicts), host, time.time())
+                    method, reply, must = svc.apply(entry, next(verdicts), host, time.time())
+                    durable = durable or must
                 if isinstance(reply, ErrorReply):
                     m.errors.labels(reply.code).inc()
                 try:
@@ -457,7 +463,10 @@ class CoordinatorServer:
                 methods.append(method)
             if tail is not None:
                 replies.append(frame_message(tail))
-            await self.commits.durable()
+            if durable:
+                await self.commits.durable()
+            elif self.commits.failed is not None:
+                raise StoreFailed(str(self.commits.failed))
             writer.write(b"".join(replies))
             # a peer that does not read its replies is not waited for forever
             await asyncio.wait_for(writer.drain(), self.cfg.idle_timeout_s)
