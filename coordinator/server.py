@@ -36,7 +36,6 @@ from typing import Any
 from coordinator.audit import AuditMonitor
 from coordinator.config import CoordinatorConfig
 from coordinator.edge import ByteBudget, HostConnections, host_key
-from coordinator.fastpath import frame_reply
 from coordinator.journal import Batch, Journal
 from coordinator.leases import LeaseBook, Shard, restore_book
 from coordinator.membership import Membership, Peer
@@ -456,7 +455,7 @@ class CoordinatorServer:
                 if isinstance(reply, ErrorReply):
                     m.errors.labels(reply.code).inc()
                 try:
-                    replies.append(frame_reply(reply, self.cfg.max_frame_bytes))
+                    replies.append(frame_message(reply, max_frame=self.cfg.max_frame_bytes))
                 except ProtocolError as exc:
                     err = ErrorReply(code="internal", detail=f"reply too large: {exc}")
                     replies.append(frame_message(err))

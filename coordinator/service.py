@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from coordinator.config import CoordinatorConfig
 from coordinator.edge import RateLimiter
 from coordinator.facilities import FacilityBook, PlacementPolicy
-from coordinator.fastpath import BodyCache, open_signed
+from coordinator.fastpath import BodyCache
 from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError
 from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
@@ -36,7 +36,7 @@ from protocol.errors import ProtocolError
 from protocol.launch import FacilityReport
 from protocol.message import Message
 from protocol.model_config import run_model_config
-from protocol.signing import ReplayGuard, SignedRequest
+from protocol.signing import ReplayGuard, SignedRequest, open_envelope
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Service:
     def open(self, payload: bytes) -> SignedRequest:
         """Decode a frame payload into a signed request (not yet verified); `BadFrame`."""
         try:
-            return open_signed(payload, self.cfg.max_request_bytes)
+            return open_envelope(payload, max_size=self.cfg.max_request_bytes)
         except ProtocolError as exc:
             raise BadFrame(str(exc)) from exc
 

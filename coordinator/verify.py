@@ -19,7 +19,12 @@ import collections
 from collections.abc import Callable
 
 from protocol.errors import ProtocolError
-from protocol.identity import peer_id_from_public_key, verify_signature
+from protocol.identity import (
+    PUBLIC_KEY_SIZE,
+    SIGNATURE_SIZE,
+    peer_id_from_public_key,
+    verify_signature,
+)
 from protocol.signing import SignedRequest, request_scope, signed_bytes
 
 
@@ -35,7 +40,7 @@ def _load_libsodium() -> Callable[[bytes, bytes, bytes], None] | None:
         return None
 
     def _sodium(key: bytes, sig: bytes, data: bytes) -> None:
-        if len(sig) != 64 or len(key) != 32:
+        if len(sig) != SIGNATURE_SIZE or len(key) != PUBLIC_KEY_SIZE:
             raise ProtocolError("bad signature")
         try:
             crypto_sign_open(sig + data, key)
