@@ -9,10 +9,10 @@
 - Each connection reads frames, answers them in order through the service, then, unless
   every answer of the read is soft (`Answer.durable` false: a heartbeat that only renewed
   liveness), waits until every change made so far is durable (group commit), then writes
-  the replies. Requests on one connection may be pipelined. The ed25519 checks of everything one
-  read brought in run as one job on a small verify thread pool (`verify_threads`; the
-  libsodium and OpenSSL calls release the GIL), so a many-core host checks signatures
-  in parallel while the event loop applies the already-verified requests.
+  the replies. Requests on one connection may be pipelined. The ed25519 checks of
+  everything one read brought in run as one job on a small verify thread pool
+  (`verify_threads`; the libsodium and OpenSSL calls release the GIL), so a many-core
+  host checks signatures in parallel while the event loop applies the verified requests.
 - `GroupCommit` writes the journal in one SQLite transaction per cycle on a dedicated
   writer thread; everything changed while a write is in flight goes in the next one.
   A failed write stops the server (fail-stop: memory and disk must never disagree).

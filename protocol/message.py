@@ -68,7 +68,7 @@ class Message:
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for msgpack; records (untagged) carry no `t` / `v`. Each class gets
-        its own, built from its fields by `_plan` (one dict display per message)."""
+        its own, built from its fields by `_plan`."""
         raise TypeError(f"{type(self).__name__} was not made with @message or @record")
 
     def _fields_to_wire(self) -> dict[str, Any]:
