@@ -11,17 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
-from coordinator_harness import SHARD_TOKENS, small_dataset
+from coordinator_harness import SHARD_TOKENS, CountingStore, small_dataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.config import CoordinatorConfig
 from coordinator.dataset import load_dataset
-from coordinator.journal import Batch
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.server import build_state
 from coordinator.service import Answer, Service
-from coordinator.store import SQLiteStore
 from protocol import control as c
 from protocol.codec import encode
 from protocol.corpus import Manifest
@@ -32,18 +30,6 @@ from protocol.signing import sign_request
 RUN = "live-run"
 TTL = 20.0  # seconds
 KEYS = [NodeKey.generate() for _ in range(4)]
-
-
-class CountingStore(SQLiteStore):
-    """The real SQLite store, counting its transactions."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, sync="normal")
-        self.writes = 0  # committed transactions
-
-    def write(self, batch: Batch) -> None:
-        super().write(batch)
-        self.writes += 1
 
 
 class Rig:

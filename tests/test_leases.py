@@ -11,14 +11,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from coordinator_harness import CountingStore
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from coordinator.audit import replay
-from coordinator.journal import Batch, Journal
+from coordinator.journal import Journal
 from coordinator.leases import ACTIVE, DONE, LEASED, LeaseBook, LeaseError, Shard, restore_book
-from coordinator.store import SQLiteStore, read_audit, read_shard_sizes
+from coordinator.store import read_audit, read_shard_sizes
 
 TTL = 10.0
 
@@ -147,18 +148,6 @@ def test_deadline_budget_grants_a_shorter_range_or_nothing() -> None:
     assert not done and book.shards[0].state == "pending"
     b, _ = book.acquire("b", 1.0)
     assert b is not None and (b.committed, b.limit) == (40, 100)
-
-
-class CountingStore(SQLiteStore):
-    """The real SQLite store, counting its transactions."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, sync="normal")
-        self.writes = 0  # committed transactions
-
-    def write(self, batch: Batch) -> None:
-        super().write(batch)
-        self.writes += 1
 
 
 class LeaseMachine(RuleBasedStateMachine):
