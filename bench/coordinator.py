@@ -1,7 +1,8 @@
 """`agora bench coordinator --peers N --json FILE`: control-plane load test.
 
 Starts a real coordinator process (SQLite, `sync=full`: every group commit fsynced before
-replies go out) and `--procs` client processes over real sockets. Each client process
+the replies that depend on it go out; heartbeats that only renew liveness write nothing)
+and `--procs` client processes over real sockets. Each client process
 multiplexes its share of the N simulated peers over a few pipelined TLS connections
 (`node.control_tls`, pinned to the coordinator's certificate): all
 peers join, then each heartbeats once per `--interval` seconds, while `--lease-peers`
@@ -275,7 +276,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--verify-threads", type=int, help="coordinator signature-check threads (its default)"
     )
-    p.add_argument("--expiry-slack", type=float, help="coordinator expiry_slack_s (its default)")
     p.add_argument(
         "--capacity", action="store_true",
         help="find the highest heartbeat rate whose p99 stays under --p99-goal-ms",
@@ -319,7 +319,6 @@ def measure(args: argparse.Namespace, interval: float) -> dict[str, Any]:
                 "max_leases_per_peer": 4,
                 "min_grant_tokens": 1,
                 "verify_threads": args.verify_threads,  # None: the coordinator's default
-                "expiry_slack_s": args.expiry_slack,
             },
         )
         db = tmp / "bench.sqlite"
@@ -470,7 +469,6 @@ def main(argv: list[str] | None = None) -> int:
         "verify_backend": verify_backend(),
         "sync": args.sync,
         "verify_threads": args.verify_threads,
-        "expiry_slack_s": args.expiry_slack,
         "procs": args.procs,
         "conns_per_proc": args.conns,
         "min_samples": MIN_SAMPLES,

@@ -74,16 +74,15 @@ class CoordinatorConfig:
     relay_reservation_ttl_s: float = 600.0  # seconds a reservation lasts unless renewed
     # storage
     db: str = "coordinator.sqlite"  # SQLite file (WAL mode)
-    sync: str = "full"  # "full": fsync every group commit; "normal": survive process kill
+    # "full": fsync every group commit; "normal": survive a killed process, not a power
+    # cut. Heartbeat renewals are not written at all (soft state, coordinator/leases.py)
+    sync: str = "full"
     # membership and leases
     heartbeat_interval_s: float = 3.0  # seconds between node heartbeats
-    lease_ttl_s: float = 15.0  # seconds without heartbeat before a peer/lease lapses
+    # seconds without heartbeat before a peer/lease lapses; also the grace a restarted
+    # coordinator gives every stored live peer and lease (renewals are not stored)
+    lease_ttl_s: float = 15.0
     sweep_interval_s: float = 0.5  # seconds between expiry sweeps
-    # seconds a durable (SQLite) peer/lease expiry may lag the live one: a heartbeat's
-    # renewal is written only once it moved the expiry further than this (None: a
-    # quarter of lease_ttl_s; 0: every renewal). After a SIGKILL restart a peer or lease
-    # has at most this much less TTL left than its last heartbeat reply said.
-    expiry_slack_s: float | None = None
     # active leases one peer may hold (count): a stage-0 node keeps lease_pool (8) open
     # plus the finished ones that wait for their outer round to commit them
     max_leases_per_peer: int = 64
@@ -136,10 +135,6 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    def expiry_slack(self) -> float:
-        """Seconds a durable expiry may lag the live one (see `expiry_slack_s`)."""
-        return self.lease_ttl_s / 4 if self.expiry_slack_s is None else self.expiry_slack_s
-
     def costs(self) -> list[float]:
         return list(self.stage_costs) if self.stage_costs else [1.0] * self.n_stages
 
@@ -189,10 +184,6 @@ class CoordinatorConfig:
             f" ({self.heartbeat_interval_s}) so one lost heartbeat does not kill a peer",
         )
         need(0 < self.sweep_interval_s <= self.lease_ttl_s, "0 < sweep_interval_s <= lease_ttl_s")
-        need(
-            self.expiry_slack_s is None or 0 <= self.expiry_slack_s <= self.lease_ttl_s / 2,
-            f"expiry_slack_s must be in [0, lease_ttl_s / 2], got {self.expiry_slack_s}",
-        )
         need(0 <= self.port <= 65535, f"port out of range: {self.port}")
         need(0 <= self.relay_port <= 65535, f"relay_port out of range: {self.relay_port}")
         need(

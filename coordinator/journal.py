@@ -5,9 +5,10 @@ commit takes the journal once per write cycle (`take()` snapshots the rows to pl
 tuples in the event-loop thread) and hands the batch to the store, and only then sends
 the replies that depended on those changes.
 
-Renewals (a heartbeat moving a peer's or a lease's expiry) go in `peer_expiry` and
-`lease_expiry`: narrow updates of the expiry column instead of whole rows. They are
-skipped for an id whose whole row is in the same batch.
+Renewals (a heartbeat moving a peer's or a lease's expiry, a peer's throughput) are not
+journaled: liveness is soft state, kept in memory and granted a grace period after a
+restart (see `coordinator.leases`). A stored row carries the expiry it had when it was
+last written for another reason.
 """
 
 from __future__ import annotations
@@ -52,10 +53,6 @@ class Batch:
     audit: list[AuditEvent]
     meta: list[tuple[str, str]]
     mlog: list[tuple[int, str, str]]  # (version, peer_id, change)
-    peer_expiry: list[tuple[float, float, str]] = dataclasses.field(default_factory=list)
-    # (expires_at, throughput, peer_id)
-    lease_expiry: list[tuple[float, int]] = dataclasses.field(default_factory=list)
-    # (expires_at, lease_id)
 
     def __len__(self) -> int:
         return (
@@ -65,22 +62,11 @@ class Batch:
             + len(self.audit)
             + len(self.meta)
             + len(self.mlog)
-            + len(self.peer_expiry)
-            + len(self.lease_expiry)
         )
 
 
 class Journal:
-    __slots__ = (
-        "audit",
-        "lease_expiry",
-        "leases",
-        "meta",
-        "mlog",
-        "peer_expiry",
-        "peers",
-        "shards",
-    )
+    __slots__ = ("audit", "leases", "meta", "mlog", "peers", "shards")
 
     def __init__(self) -> None:
         self.shards: dict[int, Row] = {}
@@ -89,42 +75,23 @@ class Journal:
         self.audit: list[AuditEvent] = []
         self.meta: dict[str, str] = {}
         self.mlog: list[tuple[int, str, str]] = []
-        self.peer_expiry: dict[str, Any] = {}  # peer id -> Peer (expires_at, throughput)
-        self.lease_expiry: dict[int, Any] = {}  # lease id -> Lease (expires_at)
 
     def __bool__(self) -> bool:
         return bool(
-            self.shards
-            or self.leases
-            or self.peers
-            or self.audit
-            or self.meta
-            or self.mlog
-            or self.peer_expiry
-            or self.lease_expiry
+            self.shards or self.leases or self.peers or self.audit or self.meta or self.mlog
         )
 
     def take(self) -> Batch:
-        peers, leases = self.peers, self.leases
         batch = Batch(
             shards=[r.row() for r in self.shards.values()],
-            leases=[r.row() for r in leases.values()],
-            peers=[r.row() for r in peers.values()],
+            leases=[r.row() for r in self.leases.values()],
+            peers=[r.row() for r in self.peers.values()],
             audit=self.audit,
             meta=list(self.meta.items()),
             mlog=self.mlog,
-            peer_expiry=[
-                (p.expires_at, p.throughput, pid)
-                for pid, p in self.peer_expiry.items()
-                if pid not in peers
-            ],
-            lease_expiry=[
-                (x.expires_at, lid) for lid, x in self.lease_expiry.items() if lid not in leases
-            ],
         )
         self.shards, self.leases, self.peers = {}, {}, {}
         self.audit, self.meta, self.mlog = [], {}, []
-        self.peer_expiry, self.lease_expiry = {}, {}
         return batch
 
     def drop(self) -> None:

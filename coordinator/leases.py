@@ -4,11 +4,15 @@ A lease is (lease id, shard, holder, fencing epoch, expiry, committed offset) pl
 `limit` of the granted range. Rules:
 
 - A shard has at most one active lease. Granting takes the shard's next fencing epoch.
-- Heartbeats renew every active lease of the holder (`renew`). A renewal is journaled
-  (a narrow expiry update) only once the expiry moved more than `expiry_slack_s` past
-  the last journaled one; a lagging durable expiry can only end a lease early after a
-  restart (it is then fenced and re-queued at its committed offset), never break
-  exactly-once.
+- Heartbeats renew every active lease of the holder (`renew`): soft state. A renewal
+  moves the expiry in memory only and journals nothing, so a heartbeat costs no durable
+  write; a lease's stored expiry is the one its row had when last written (grant,
+  commit, end). A restarted book therefore does not trust stored expiries: every lease
+  active in the stored rows gets `grace_until` (`restore_book`; the coordinator passes
+  its restart time plus one TTL), so a holder that kept heartbeating keeps its lease,
+  and a dead holder's lease expires one TTL after the restart. Expiry only ever ends a
+  lease at its committed offset, so neither a late nor an early expiry can break
+  exactly-once; grants, commits, ends and fences stay durable.
 - A lease past its expiry is expired (`expire_due`): the shard returns to the front of
   the queue at its committed offset; the next grant carries a higher epoch. The old
   holder's commits are refused with `LeaseError("fenced")` (and audited as `fence`).
@@ -22,7 +26,8 @@ A lease is (lease id, shard, holder, fencing epoch, expiry, committed offset) pl
   limit is the shard end the shard is done, otherwise it is re-queued at the offset.
 - When every shard is done the data epoch advances and all shards start over.
 
-Every mutation is recorded in the `Journal` (rows + audit events) for the store.
+Every mutation but a renewal is recorded in the `Journal` (rows + audit events) for the
+store.
 docs/data-path.md shows where leases sit between the manifest, commit points and audit.
 """
 
@@ -76,10 +81,9 @@ class Lease:
     committed: int  # shard offset committed so far
     limit: int  # end of the granted range
     shard_tokens: int
-    expires_at: float  # unix seconds
+    expires_at: float  # unix seconds; renewals move it in memory only (soft state)
     state: str = ACTIVE
     last_start: int = -1  # start of the last accepted commit (for idempotent retries)
-    saved_expires_at: float = 0.0  # not persisted: the expiry last journaled, unix seconds
     fence_recorded: bool = False  # not persisted: a refused call of its holder is audited
 
     def row(self) -> tuple[Any, ...]:
@@ -112,13 +116,11 @@ class LeaseBook:
         data_epoch: int = 0,
         next_lease_id: int = 1,
         leases: Iterable[Lease] = (),
-        expiry_slack_s: float = 0.0,
         order_seed: int = 0,
     ) -> None:
         self.journal = journal
         self.order_seed = order_seed  # seeds each data epoch's shard order
         self.ttl_s = ttl_s  # seconds
-        self.expiry_slack_s = expiry_slack_s  # seconds the journaled expiry may lag
         self.data_epoch = data_epoch
         self.next_lease_id = next_lease_id
         self.shards: dict[int, Shard] = {s.shard_id: s for s in shards}
@@ -210,16 +212,14 @@ class LeaseBook:
         return lease, ""
 
     def renew(self, holder: str, now: float) -> list[Lease]:
-        """Extend every active lease of `holder` to now + TTL."""
+        """Extend every active lease of `holder` to now + TTL, in memory only (nothing is
+        journaled: see the module docstring)."""
         held = self.by_holder.get(holder)
         if not held:
             return []
         expires_at = now + self.ttl_s
         for lease in held.values():
             lease.expires_at = expires_at
-            if expires_at - lease.saved_expires_at > self.expiry_slack_s:
-                lease.saved_expires_at = expires_at
-                self.journal.lease_expiry[lease.lease_id] = lease
         return list(held.values())
 
     def lookup(self, holder: str, lease_id: int, epoch: int) -> Lease | None:
@@ -456,7 +456,6 @@ class LeaseBook:
     def _touch(self, shard: Shard, lease: Lease) -> None:
         self.journal.shards[shard.shard_id] = shard
         self.journal.leases[lease.lease_id] = lease
-        lease.saved_expires_at = lease.expires_at
 
     def _audit(
         self,
@@ -490,17 +489,21 @@ def restore_book(
     *,
     journal: Journal,
     ttl_s: float,
-    expiry_slack_s: float = 0.0,
+    grace_until: float = 0.0,
     order_seed: int = 0,
 ) -> LeaseBook:
-    """Rebuild the book from stored rows (see `coordinator.store`)."""
+    """Rebuild the book from stored rows (see `coordinator.store`). Every active lease
+    expires no earlier than `grace_until` (unix seconds): renewals were never stored."""
+    leases = [Lease(*r) for r in lease_rows]
+    for lease in leases:
+        if lease.state == ACTIVE:
+            lease.expires_at = max(lease.expires_at, grace_until)
     return LeaseBook(
         [Shard(*r) for r in shard_rows],
         journal=journal,
         ttl_s=ttl_s,
         data_epoch=int(meta.get("data_epoch", "0")),
         next_lease_id=int(meta.get("next_lease_id", "1")),
-        leases=[Lease(*r) for r in lease_rows],
-        expiry_slack_s=expiry_slack_s,
+        leases=leases,
         order_seed=order_seed,
     )

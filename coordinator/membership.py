@@ -4,11 +4,13 @@
   lowest (ties: fewest peers, then lowest index), unless the peer asked for a stage;
   `place(allowed)` chooses among the stages the peer's device memory fits
   (coordinator/placement.py), which the peer keeps in `Peer.fits`.
-- A heartbeat (`renew`) extends the peer's expiry to now + TTL; `expire_due` removes
-  peers whose TTL lapsed. The new expiry is journaled (a narrow update) only once it is
-  more than `expiry_slack_s` past the last journaled one, so the durable expiry lags
-  the live one by at most the slack (see `CoordinatorConfig.expiry_slack_s`). Joins, leaves, lapses, bans and moves bump the version and
-  are logged, so `delta(since)` can answer "what changed since version v".
+- A heartbeat (`renew`) extends the peer's expiry to now + TTL and takes its reported
+  throughput; `expire_due` removes peers whose TTL lapsed. Liveness is soft state: a
+  renewal changes memory only and journals nothing (the stored expiry and throughput
+  are those of the row's last write), and a restarted view gives every stored live
+  peer `grace_until` (the restart plus one TTL) instead. Joins, leaves, lapses, bans,
+  moves and announced addresses bump the version and are logged (durably), so
+  `delta(since)` can answer "what changed since version v".
 - `rebalance` moves one peer when the weakest stage's throughput/cost falls below
   `ratio` times the strongest's (and the strongest stage has a peer to spare), never
   one whose `fits` leaves the weakest stage out.
@@ -56,11 +58,10 @@ class Peer:
     metrics_port: int | None
     fixed_stage: bool
     joined_at: float  # unix seconds
-    expires_at: float  # unix seconds
+    expires_at: float  # unix seconds; renewals move it in memory only (soft state)
     state: str = LIVE
     drain: bool = False
     moved: bool = False  # not persisted: reported once in the next heartbeat reply
-    saved_expires_at: float = 0.0  # not persisted: the expiry last journaled, unix seconds
     observer: bool = False  # on no stage; persisted in the addrs JSON (no schema change)
     # the device memory it reported at join, and the stages whose need fits it (None: any
     # stage, nothing was reported); both persisted in the addrs JSON
@@ -143,14 +144,15 @@ class Membership:
         version: int = 0,
         peers: Iterable[Peer] = (),
         mlog: Iterable[tuple[int, str, str]] = (),
-        expiry_slack_s: float = 0.0,
+        grace_until: float = 0.0,
     ) -> None:
+        """`peers` are stored rows (`Peer.from_row`); each live one expires no earlier
+        than `grace_until` (unix seconds), as renewals were never stored."""
         if len(stage_costs) != n_stages:
             raise ValueError(f"{len(stage_costs)} stage costs for {n_stages} stages")
         self.n_stages = n_stages
         self.stage_costs = stage_costs
         self.ttl_s = ttl_s  # seconds
-        self.expiry_slack_s = expiry_slack_s  # seconds the journaled expiry may lag
         self.journal = journal
         self.version = version
         # live peers ordered by expiry (TTL is uniform, so renewal moves a peer to the end)
@@ -159,6 +161,10 @@ class Membership:
         self._sums = [0.0] * n_stages  # tokens/s per stage (peer rates floored at MIN_RATE)
         self._counts = [0] * n_stages  # live peers per stage
         self.observers = 0  # live observers (on no stage)
+        peers = list(peers)
+        for p in peers:
+            if p.state == LIVE:
+                p.expires_at = max(p.expires_at, grace_until)
         for p in sorted(peers, key=lambda p: p.expires_at):
             if p.state == LIVE:
                 self.live[p.peer_id] = p
@@ -282,9 +288,6 @@ class Membership:
             peer.throughput = throughput
             self._account(peer, +1)
         self.live.move_to_end(peer_id)
-        if peer.expires_at - peer.saved_expires_at > self.expiry_slack_s:
-            peer.saved_expires_at = peer.expires_at
-            self.journal.peer_expiry[peer_id] = peer
         return peer
 
     def announce(self, peer_id: str, dht_addrs: list[str]) -> None:
@@ -384,6 +387,5 @@ class Membership:
         if len(self._log) > 2 * MLOG_KEEP:
             del self._log_versions[:MLOG_KEEP], self._log[:MLOG_KEEP]
         self.journal.peers[peer.peer_id] = peer
-        peer.saved_expires_at = peer.expires_at
         self.journal.mlog.append((self.version, peer.peer_id, change))
         self.journal.meta["membership_version"] = str(self.version)

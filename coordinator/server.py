@@ -8,12 +8,13 @@
   within `frame_deadline_s` of its first byte (`idle_timeout_s` between frames); each
   request through its source's token bucket (`rate_per_host`). Over any of them the
   request is refused or the connection closed (`agora_coordinator_edge_refusals_total`).
-- Each connection reads frames, answers them in order through `Service.handle`, waits
-  until the changes they made are durable (group commit), then writes the replies.
-  Requests on one connection may be pipelined. The ed25519 checks of everything one
-  read brought in run as one job on a small verify thread pool (`verify_threads`; the
-  libsodium and OpenSSL calls release the GIL), so a many-core host checks signatures
-  in parallel while the event loop applies the already-verified requests.
+- Each connection reads frames, answers them in order through the service, then, unless
+  every answer of the read is soft (`Answer.durable` false: a heartbeat that only renewed
+  liveness), waits until every change made so far is durable (group commit), then writes
+  the replies. Requests on one connection may be pipelined. The ed25519 checks of
+  everything one read brought in run as one job on a small verify thread pool
+  (`verify_threads`; the libsodium and OpenSSL calls release the GIL), so a many-core
+  host checks signatures in parallel while the event loop applies the verified requests.
 - `GroupCommit` writes the journal in one SQLite transaction per cycle on a dedicated
   writer thread; everything changed while a write is in flight goes in the next one.
   A failed write stops the server (fail-stop: memory and disk must never disagree).
@@ -38,13 +39,13 @@ from typing import Any
 from coordinator.audit import AuditMonitor
 from coordinator.config import CoordinatorConfig
 from coordinator.edge import ByteBudget, HostConnections, host_key
-from coordinator.fastpath import frame_reply
 from coordinator.journal import Batch, Journal
 from coordinator.leases import LeaseBook, Shard, restore_book
 from coordinator.membership import Membership, Peer
 from coordinator.metrics import CoordinatorMetrics, write_file_sd
-from coordinator.service import BadFrame, Service, signatures_ok
+from coordinator.service import BadFrame, Service
 from coordinator.store import Store, read_epoch_events
+from coordinator.verify import signatures_ok
 from protocol.control import ErrorReply, HeartbeatRequest
 from protocol.corpus import Manifest
 from protocol.errors import ProtocolError
@@ -133,7 +134,10 @@ class GroupCommit:
 def build_state(
     cfg: CoordinatorConfig, store: Store, manifest: Manifest, now: float
 ) -> tuple[Journal, Membership, LeaseBook, bool]:
-    """Load state from the store, or initialise a fresh run from the manifest."""
+    """Load state from the store, or initialise a fresh run from the manifest. Renewals
+    were never stored, so every stored live peer and active lease gets one TTL from
+    `now` (the grace period) before it can lapse."""
+    grace_until = now + cfg.lease_ttl_s
     journal = Journal()
     snap = store.load()
     if snap.shards:
@@ -149,7 +153,7 @@ def build_state(
             snap.meta,
             journal=journal,
             ttl_s=cfg.lease_ttl_s,
-            expiry_slack_s=cfg.expiry_slack(),
+            grace_until=grace_until,
             order_seed=cfg.seed,
         )
     else:
@@ -158,7 +162,6 @@ def build_state(
             shards,
             journal=journal,
             ttl_s=cfg.lease_ttl_s,
-            expiry_slack_s=cfg.expiry_slack(),
             order_seed=cfg.seed,
         )
         for s in book.shards.values():
@@ -177,7 +180,7 @@ def build_state(
         version=int(snap.meta.get("membership_version", "0")),
         peers=[Peer.from_row(r) for r in snap.peers],
         mlog=snap.mlog,
-        expiry_slack_s=cfg.expiry_slack(),
+        grace_until=grace_until,
     )
     for p in list(membership.live.values()):
         if p.stage >= cfg.n_stages:  # n_stages shrank between runs
@@ -448,23 +451,28 @@ class CoordinatorServer:
             verdicts = iter(oks)
             replies: list[bytes] = []
             methods: list[str] = []
+            durable = tail is not None
             for entry in entries:
                 reply: Message
                 if isinstance(entry, ErrorReply):
-                    method, reply = "unknown", entry
+                    method, reply, durable = "unknown", entry, True
                 else:
-                    method, reply = svc.apply(entry, next(verdicts), host, time.time())
+                    method, reply, must = svc.apply(entry, next(verdicts), host, time.time())
+                    durable = durable or must
                 if isinstance(reply, ErrorReply):
                     m.errors.labels(reply.code).inc()
                 try:
-                    replies.append(frame_reply(reply, self.cfg.max_frame_bytes))
+                    replies.append(frame_message(reply, max_frame=self.cfg.max_frame_bytes))
                 except ProtocolError as exc:
                     err = ErrorReply(code="internal", detail=f"reply too large: {exc}")
                     replies.append(frame_message(err))
                 methods.append(method)
             if tail is not None:
                 replies.append(frame_message(tail))
-            await self.commits.durable()
+            if durable:
+                await self.commits.durable()
+            elif self.commits.failed is not None:
+                raise StoreFailed(str(self.commits.failed))
             writer.write(b"".join(replies))
             # a peer that does not read its replies is not waited for forever
             await asyncio.wait_for(writer.drain(), self.cfg.idle_timeout_s)

@@ -1,7 +1,13 @@
 """Request handling: verify a signed frame, check auth and rate, and apply it to the
 membership and the lease book. Synchronous and clock-free (the caller passes `now`), so
-the asyncio server stays a thin shell. Every state change lands in the shared journal;
-the server writes it durably before sending the reply this returns.
+the asyncio server stays a thin shell. Every durable state change lands in the shared
+journal; the server writes it before sending the reply this returns.
+
+Liveness is soft state (`coordinator.leases`, `coordinator.membership`): a heartbeat
+that only renews its peer and its leases changes nothing durable, and its answer is
+soft (`Answer.durable` false): the server sends it without waiting for a write. A
+heartbeat reply that reports a move or a fence, or follows an announced DHT address
+change, waits like every other reply: it must not reveal state a crash could undo.
 """
 
 from __future__ import annotations
@@ -11,18 +17,18 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from coordinator.config import CoordinatorConfig
 from coordinator.edge import RateLimiter
 from coordinator.facilities import FacilityBook, PlacementPolicy
-from coordinator.fastpath import BodyCache, open_signed
+from coordinator.fastpath import BodyCache
 from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError
 from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.placement import MemoryFit
-from coordinator.verify import PeerIds, verify
+from coordinator.verify import PeerIds, signature_ok
 from protocol import control as c
 from protocol.codec import schema_limits
 from protocol.corpus import Manifest, ShardInfo, shard_slice
@@ -30,18 +36,22 @@ from protocol.errors import ProtocolError
 from protocol.launch import FacilityReport
 from protocol.message import Message
 from protocol.model_config import run_model_config
-from protocol.signing import (
-    ReplayGuard,
-    SignedRequest,
-    request_scope,
-    signed_bytes,
-)
+from protocol.signing import ReplayGuard, SignedRequest, open_envelope
 
 log = logging.getLogger(__name__)
 
 
 class BadFrame(Exception):
     """The frame is not a decodable signed request; the connection gets closed."""
+
+
+class Answer(NamedTuple):
+    """What the service made of one request."""
+
+    method: str  # the request type ("unknown" before the body was read)
+    reply: Message
+    # the reply waits until every change made so far is durable (false: soft, sent at once)
+    durable: bool = True
 
 
 def _err(code: str, detail: str) -> c.ErrorReply:
@@ -121,55 +131,58 @@ class Service:
 
     # -- entry point --------------------------------------------------------------------
 
-    def handle(self, payload: bytes, host: str, now: float) -> tuple[str, Message]:
-        """Answer one frame payload; returns (method name, reply). Raises `BadFrame`."""
+    def handle(self, payload: bytes, host: str, now: float) -> Answer:
+        """Answer one frame payload. Raises `BadFrame`."""
         req = self.open(payload)
         return self.apply(req, signature_ok(req, self.cfg.run_id), host, now)
 
     def open(self, payload: bytes) -> SignedRequest:
         """Decode a frame payload into a signed request (not yet verified); `BadFrame`."""
         try:
-            return open_signed(payload, self.cfg.max_request_bytes)
+            return open_envelope(payload, max_size=self.cfg.max_request_bytes)
         except ProtocolError as exc:
             raise BadFrame(str(exc)) from exc
 
-    def apply(
-        self, req: SignedRequest, verified: bool, host: str, now: float
-    ) -> tuple[str, Message]:
+    def apply(self, req: SignedRequest, verified: bool, host: str, now: float) -> Answer:
         """Answer an opened request whose signature check gave `verified` (see
         `signature_ok`; the server may run those checks off the event loop)."""
         if not verified:
             scope = "no run" if req.any_run else f"run {self.cfg.run_id!r}"
-            return "unknown", _err("bad_signature", f"signature does not verify for {scope}")
+            return Answer(
+                "unknown", _err("bad_signature", f"signature does not verify for {scope}")
+            )
         # the per-key bucket before the replay guard: a flood is refused before its
         # nonces could crowd live ones out of the guard's table
         if not self.limiter.allow(req.key, now):
-            return "unknown", _err("rate_limited", "too many requests from this key; back off")
+            return Answer(
+                "unknown", _err("rate_limited", "too many requests from this key; back off")
+            )
         try:
             self.guard.check(req.key, req.nonce, req.ts, now)
         except ProtocolError as exc:
-            return "unknown", _err("replay", str(exc))
+            return Answer("unknown", _err("replay", str(exc)))
         try:
             body = self.bodies.decode(req)
         except ProtocolError as exc:
-            return "unknown", _err("bad_request", str(exc))
+            return Answer("unknown", _err("bad_request", str(exc)))
         method = body.TYPE
         if req.any_run and not isinstance(body, c.StatusRequest):
-            return method, _err(
+            return Answer(method, _err(
                 "bad_request", f"only a status request may be signed for no run; sign for run"
                 f" {self.cfg.run_id!r} (StatusReply.run_id)",
-            )  # fmt: skip
+            ))  # fmt: skip
         try:
-            return method, self._dispatch(req.key, body, host, now)
+            reply = self._dispatch(req.key, body, host, now)
+            return Answer(method, reply, not soft(body, reply))
         except LeaseError as exc:
             if exc.code == "fenced":
                 self.metrics.fenced.inc()
                 if exc.recorded:
                     self.metrics.fence_records.inc()
-            return method, _err(exc.code, exc.detail)
+            return Answer(method, _err(exc.code, exc.detail))
         except Exception:  # a bug must not take the server down
             log.exception("internal error handling %s", method)
-            return method, _err("internal", f"internal error handling {method}")
+            return Answer(method, _err("internal", f"internal error handling {method}"))
 
     def _dispatch(self, key: bytes, body: Message, host: str, now: float) -> Message:
         if isinstance(body, c.StatusRequest):
@@ -509,18 +522,15 @@ class Service:
         )
 
 
-def signature_ok(req: SignedRequest, run: str) -> bool:
-    """Whether the request's signature verifies for `run` (or for no run, where the
-    envelope says so); thread-safe: no shared state. Checked apart from the replay
-    guard so each gets its own error code."""
-    try:
-        raw = signed_bytes(req.key, req.ts, req.nonce, req.body, run=request_scope(req, run))
-        verify(req.key, req.sig, raw)
-    except ProtocolError:
-        return False
-    return True
-
-
-def signatures_ok(reqs: list[SignedRequest], run: str) -> list[bool]:
-    """`signature_ok` for a batch (one hop to a verify thread for a whole read)."""
-    return [signature_ok(r, run) for r in reqs]
+def soft(body: Message, reply: Message) -> bool:
+    """Whether `reply` to `body` may go out before the pending writes are durable: a
+    heartbeat's that only renewed liveness (nothing announced, nothing moved or fenced).
+    Such a reply may show others' changes still being written (a membership version, a
+    drain, a pause); none of them grants anything, and each is re-sent in later replies."""
+    return (
+        type(reply) is c.HeartbeatReply
+        and type(body) is c.HeartbeatRequest
+        and body.dht_addrs is None
+        and not reply.moved
+        and not reply.fenced
+    )

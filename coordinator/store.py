@@ -3,7 +3,9 @@
 `Store` is the small interface the server depends on (tests inject faults through it);
 `SQLiteStore` is the embedded default. One `write(batch)` is one transaction: the
 group commit of everything the event loop changed since the previous write. The audit
-table is append-only; nothing ever updates or deletes its rows.
+table is append-only; nothing ever updates or deletes its rows. Renewals are never
+written (liveness is soft state): the `expires_at` columns hold each row's expiry as of
+its last write, and a restarted coordinator grants live peers and leases a grace period.
 """
 
 from __future__ import annotations
@@ -129,15 +131,6 @@ class SQLiteStore:
                 )
             if batch.mlog:
                 c.executemany("INSERT OR REPLACE INTO membership_log VALUES (?,?,?)", batch.mlog)
-            if batch.peer_expiry:
-                c.executemany(
-                    "UPDATE peers SET expires_at = ?, throughput = ? WHERE peer_id = ?",
-                    batch.peer_expiry,
-                )
-            if batch.lease_expiry:
-                c.executemany(
-                    "UPDATE leases SET expires_at = ? WHERE lease_id = ?", batch.lease_expiry
-                )
             if batch.audit:
                 c.executemany(
                     f"INSERT INTO audit ({AUDIT_COLUMNS}, stage, round, digest)"

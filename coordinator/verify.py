@@ -6,6 +6,9 @@
   no honest signer produces). Without PyNaCl it falls back to
   `protocol.identity.verify_signature`. Either way a bad signature raises
   `ProtocolError`.
+- `signature_ok(req, run)` checks a signed request for the coordinator's run (or for
+  no run, where the envelope says so); `signatures_ok` checks a batch, so a verify
+  thread takes a whole read in one hop. Thread-safe: no shared state.
 - `PeerIds` caches the base58 libp2p peer id of recently seen public keys (bounded),
   because deriving it is pure-Python big-integer work on every request.
 """
@@ -16,7 +19,13 @@ import collections
 from collections.abc import Callable
 
 from protocol.errors import ProtocolError
-from protocol.identity import peer_id_from_public_key, verify_signature
+from protocol.identity import (
+    PUBLIC_KEY_SIZE,
+    SIGNATURE_SIZE,
+    peer_id_from_public_key,
+    verify_signature,
+)
+from protocol.signing import SignedRequest, request_scope, signed_bytes
 
 
 def _openssl(key: bytes, sig: bytes, data: bytes) -> None:
@@ -31,7 +40,7 @@ def _load_libsodium() -> Callable[[bytes, bytes, bytes], None] | None:
         return None
 
     def _sodium(key: bytes, sig: bytes, data: bytes) -> None:
-        if len(sig) != 64 or len(key) != 32:
+        if len(sig) != SIGNATURE_SIZE or len(key) != PUBLIC_KEY_SIZE:
             raise ProtocolError("bad signature")
         try:
             crypto_sign_open(sig + data, key)
@@ -63,3 +72,20 @@ class PeerIds:
             if len(self._cache) > self.max_entries:
                 self._cache.popitem(last=False)
         return pid
+
+
+def signature_ok(req: SignedRequest, run: str) -> bool:
+    """Whether the request's signature verifies for `run` (or for no run, where the
+    envelope says so); thread-safe: no shared state. Checked apart from the replay
+    guard so each gets its own error code."""
+    try:
+        raw = signed_bytes(req.key, req.ts, req.nonce, req.body, run=request_scope(req, run))
+        verify(req.key, req.sig, raw)
+    except ProtocolError:
+        return False
+    return True
+
+
+def signatures_ok(reqs: list[SignedRequest], run: str) -> list[bool]:
+    """`signature_ok` for a batch (one hop to a verify thread for a whole read)."""
+    return [signature_ok(r, run) for r in reqs]

@@ -13,6 +13,7 @@ of them from the message classes a reader expects (see `protocol.dataplane`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,27 @@ class UnpackLimits:
     max_array_len: int  # items of one array
     max_map_len: int  # entries of one map
     max_containers: int | None = None  # arrays and maps in the whole object (None: any)
+    # msgpack's options for these limits, per frame cap (bytes); filled on first use
+    _options: dict[int, dict[str, Any]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+
+    def options(self, cap: int) -> dict[str, Any]:
+        """The `msgpack.unpackb` keywords for these limits under a frame cap of `cap`
+        bytes (the container budget's hooks are not included: they count per call)."""
+        opts = self._options.get(cap)
+        if opts is None:
+            opts = self._options[cap] = {
+                "raw": False,
+                "strict_map_key": True,
+                "max_str_len": min(self.max_str_len, cap),
+                "max_bin_len": min(self.max_bin_len, cap),
+                "max_array_len": min(self.max_array_len, cap),
+                "max_map_len": min(self.max_map_len, cap),
+                "max_ext_len": 0,
+                "use_list": True,
+            }
+        return opts
 
 
 def packb(obj: Any) -> bytes:
@@ -59,22 +81,12 @@ def unpackb(
     if len(data) > max_size:
         raise ProtocolError(f"payload of {len(data)} bytes exceeds the limit of {max_size}")
     cap = max(max_size, 1)
-    lim = limits or UnpackLimits(
-        max_str_len=cap, max_bin_len=cap, max_array_len=cap, max_map_len=cap
-    )
+    lim = limits or _bounded_by(cap)
     try:  # msgpack.unpackb reads the caller's buffer in place (an Unpacker copies it)
-        obj = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=min(lim.max_str_len, cap),
-            max_bin_len=min(lim.max_bin_len, cap),
-            max_array_len=min(lim.max_array_len, cap),
-            max_map_len=min(lim.max_map_len, cap),
-            max_ext_len=0,
-            use_list=True,
-            **_container_hooks(lim.max_containers),
-        )
+        if lim.max_containers is None:
+            obj = msgpack.unpackb(data, **lim.options(cap))
+        else:
+            obj = msgpack.unpackb(data, **lim.options(cap), **_container_hooks(lim.max_containers))
     except msgpack.ExtraData as exc:
         raise ProtocolError(f"{len(exc.extra)} trailing bytes after the message") from exc
     except Exception as exc:  # msgpack raises many types; all mean "malformed"
@@ -82,10 +94,14 @@ def unpackb(
     return obj
 
 
-def _container_hooks(budget: int | None) -> dict[str, Any]:
+@functools.lru_cache(maxsize=16)
+def _bounded_by(cap: int) -> UnpackLimits:
+    """Limits that bound each object by the frame cap only."""
+    return UnpackLimits(max_str_len=cap, max_bin_len=cap, max_array_len=cap, max_map_len=cap)
+
+
+def _container_hooks(budget: int) -> dict[str, Any]:
     """msgpack hooks that count finished arrays and maps and stop past `budget`."""
-    if budget is None:
-        return {}
     seen = [0]
 
     def count(obj: Any) -> Any:

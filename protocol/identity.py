@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from protocol.errors import ProtocolError
 
 PUBLIC_KEY_SIZE = 32  # bytes
+SIGNATURE_SIZE = 64  # bytes of an ed25519 signature
 PRIVATE_KEY_SIZE = 32  # bytes (the ed25519 seed)
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 

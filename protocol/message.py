@@ -4,14 +4,18 @@ A message is a frozen, slotted, keyword-only dataclass registered under a type t
 `@message("tag", version=N)`. Its wire form is a msgpack map holding the tag `t`, the
 version `v` and one entry per field. Decoding checks every field against its annotation
 and its bounds (`bounded(...)`), ignores unknown keys, and raises `ProtocolError` for
-anything else. Supported field types: bool, int, float, str, bytes, `X | None`,
-`list[X]`, `dict[str, X]` and nested messages.
+anything else. Both directions run on plans built once per class (`_plan`), not on
+per-value type dispatch, as a coordinator encodes and decodes every request with them.
+Supported field types: bool, int, float, str, bytes, `X | None`, `list[X]`,
+`dict[str, X]` and nested messages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import types
 import typing
 from collections.abc import Callable
@@ -57,15 +61,19 @@ class Message:
     TYPE: ClassVar[str] = ""
     VERSION: ClassVar[int] = 1
     _SPECS: ClassVar[tuple[_FieldSpec, ...]] = ()
+    # (name, check, required, where) of each field, for reading (see `_plan`)
+    _READ: ClassVar[tuple[tuple[str, Callable[[Any, str], Any], bool, str], ...]] = ()
+    # (field names, values getter) when every field is plain data, else None (`_plan`)
+    _PLAIN: ClassVar[tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]] | None] = None
 
     def to_wire(self) -> dict[str, Any]:
-        """Plain data for msgpack; records (untagged) carry no `t` / `v`."""
-        out: dict[str, Any] = {"t": self.TYPE, "v": self.VERSION} if self.TYPE else {}
-        out.update(self._fields_to_wire())
-        return out
+        """Plain data for msgpack; records (untagged) carry no `t` / `v`. Each class gets
+        its own, built from its fields by `_plan`."""
+        raise TypeError(f"{type(self).__name__} was not made with @message or @record")
 
     def _fields_to_wire(self) -> dict[str, Any]:
-        return {spec.name: _value_to_wire(getattr(self, spec.name)) for spec in self._SPECS}
+        """The fields as plain data, without `t` / `v` (a nested message's wire form)."""
+        raise TypeError(f"{type(self).__name__} was not made with @message or @record")
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
@@ -82,12 +90,13 @@ class Message:
     @classmethod
     def _from_fields(cls, obj: dict[str, Any]) -> Self:
         kwargs: dict[str, Any] = {}
-        for spec in cls._SPECS:
-            if spec.name not in obj:
-                if spec.required:
-                    raise ProtocolError(f"{cls.__name__}: missing field {spec.name!r}")
+        for name, check, required, where in cls._READ:
+            v = obj.get(name, _ABSENT)
+            if v is _ABSENT:
+                if required:
+                    raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
                 continue
-            kwargs[spec.name] = spec.check(obj[spec.name], f"{cls.__name__}.{spec.name}")
+            kwargs[name] = check(v, where)
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as exc:
@@ -107,7 +116,7 @@ def message(tag: str, *, version: int = 1) -> Callable[[_M], _M]:
         dc = dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
         dc.TYPE = tag
         dc.VERSION = version
-        dc._SPECS = _specs_of(dc)
+        _plan(dc)
         _REGISTRY[tag] = dc
         return typing.cast(_M, dc)
 
@@ -118,7 +127,7 @@ def message(tag: str, *, version: int = 1) -> Callable[[_M], _M]:
 def record(cls: _M) -> _M:
     """A nested, untagged record (embedded in messages, never sent on its own)."""
     dc = dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
-    dc._SPECS = _specs_of(dc)
+    _plan(dc)
     return typing.cast(_M, dc)
 
 
@@ -136,11 +145,18 @@ def registered_tags() -> list[str]:
 # --- field specs -----------------------------------------------------------------------
 
 
+_ABSENT = object()  # a field missing from the wire map
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _FieldSpec:
+    """One field, with its checker and its wire converter built once per class."""
+
     name: str
     check: Callable[[Any, str], Any]
     required: bool
+    where: str  # "Class.field", for error messages
+    to_wire: Callable[[Any], Any] | None  # None: the value already is plain data
 
 
 def _specs_of(cls: type) -> tuple[_FieldSpec, ...]:
@@ -148,8 +164,54 @@ def _specs_of(cls: type) -> tuple[_FieldSpec, ...]:
     specs = []
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        specs.append(_FieldSpec(f.name, _checker(hints[f.name], dict(f.metadata)), required))
+        tp = hints[f.name]
+        check = _checker(tp, dict(f.metadata))
+        specs.append(
+            _FieldSpec(f.name, check, required, f"{cls.__name__}.{f.name}", _converter(tp))
+        )
     return tuple(specs)
+
+
+def _plan(cls: type[Message]) -> None:
+    """Set the class's field specs, the tuples its reader loops over, and its `to_wire`
+    and `_fields_to_wire`, built once from the field list: the field values come out
+    in one `operator.attrgetter` call and are zipped with their names (C loops, no
+    Python-level step per field), then each field that is not plain data goes through
+    its converter (`_converter`)."""
+    specs = cls._SPECS = _specs_of(cls)
+    cls._READ = tuple((s.name, s.check, s.required, s.where) for s in specs)
+    names = tuple(s.name for s in specs)
+    get = _values(names)
+    convert = tuple((s.name, s.to_wire) for s in specs if s.to_wire is not None)
+    cls._PLAIN = (names, get) if not convert else None
+    tagged, tag = ("t", "v", *names), (cls.TYPE, cls.VERSION)
+
+    def fields(self: Message) -> dict[str, Any]:
+        out = dict(zip(names, get(self), strict=True))
+        for name, to_wire in convert:
+            out[name] = to_wire(out[name])
+        return out
+
+    def wire(self: Message) -> dict[str, Any]:
+        out = dict(zip(tagged, tag + get(self), strict=True))
+        for name, to_wire in convert:
+            out[name] = to_wire(out[name])
+        return out
+
+    for name, fn in (("to_wire", wire if cls.TYPE else fields), ("_fields_to_wire", fields)):
+        fn.__name__, fn.__qualname__ = name, f"{cls.__qualname__}.{name}"
+        fn.__doc__ = getattr(Message, name).__doc__
+        setattr(cls, name, fn)
+
+
+def _values(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    """A getter of the named attributes' values, as a tuple."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    if names:
+        one = operator.attrgetter(names[0])
+        return lambda m: (one(m),)
+    return lambda m: ()
 
 
 def _fail(where: str, what: str) -> ProtocolError:
@@ -200,25 +262,30 @@ def _check_bool(v: Any, where: str) -> bool:
 def _make_number_check(kind: type, meta: dict[str, Any]) -> Callable[[Any, str], Any]:
     ge, le = meta.get("ge"), meta.get("le")
 
-    def check(v: Any, where: str) -> Any:
-        if kind is int:
-            if type(v) is not int:
-                raise _fail(where, f"expected int, got {type(v).__name__}")
-            if not -MAX_INT - 1 <= v <= MAX_INT:
-                raise _fail(where, "int out of 64-bit range")
-        else:
-            if type(v) not in (int, float):
-                raise _fail(where, f"expected float, got {type(v).__name__}")
-            v = float(v)
-            if not math.isfinite(v):
-                raise _fail(where, "non-finite float")
+    def bounds(v: Any, where: str) -> Any:
         if ge is not None and v < ge:
             raise _fail(where, f"{v} below minimum {ge}")
         if le is not None and v > le:
             raise _fail(where, f"{v} above maximum {le}")
         return v
 
-    return check
+    def check_int(v: Any, where: str) -> Any:
+        if type(v) is not int:
+            raise _fail(where, f"expected int, got {type(v).__name__}")
+        if not -MAX_INT - 1 <= v <= MAX_INT:
+            raise _fail(where, "int out of 64-bit range")
+        return v if ge is None and le is None else bounds(v, where)
+
+    def check_float(v: Any, where: str) -> Any:
+        if type(v) is not float:
+            if type(v) is not int:
+                raise _fail(where, f"expected float, got {type(v).__name__}")
+            v = float(v)
+        if not math.isfinite(v):
+            raise _fail(where, "non-finite float")
+        return v if ge is None and le is None else bounds(v, where)
+
+    return check_int if kind is int else check_float
 
 
 def _make_str_check(meta: dict[str, Any]) -> Callable[[Any, str], str]:
@@ -287,11 +354,35 @@ def _make_dict_check(item: Callable[[Any, str], Any], meta: dict[str, Any]) -> C
     return check
 
 
-def _value_to_wire(v: Any) -> Any:
-    if isinstance(v, Message):
-        return v._fields_to_wire()
-    if isinstance(v, list | tuple):
-        return [_value_to_wire(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _value_to_wire(x) for k, x in v.items()}
-    return v
+# --- wire converters -------------------------------------------------------------------
+
+
+def _converter(tp: Any) -> Callable[[Any], Any] | None:
+    """How a value of annotation `tp` becomes plain data, chosen once per field: None for
+    a scalar (bool, int, float, str, bytes: msgpack packs it as it is), a copy for a
+    container of scalars, and a nested message's fields without `t` / `v`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        (inner,) = [a for a in args if a is not type(None)]
+        sub = _converter(inner)
+        return None if sub is None else (lambda v: None if v is None else sub(v))
+    if origin is list:
+        if isinstance(args[0], type) and issubclass(args[0], Message):
+            plain = args[0]._PLAIN
+            if plain is None:
+                return lambda v: [x._fields_to_wire() for x in v]
+            zipped = functools.partial(zip, plain[0])  # records of plain fields: C loops
+            return lambda v: list(map(dict, map(zipped, map(plain[1], v)))) if v else []
+        item = _converter(args[0])
+        return list if item is None else (lambda v: [item(x) for x in v])
+    if origin is dict:
+        value = _converter(args[1])
+        return dict if value is None else (lambda v: {k: value(x) for k, x in v.items()})
+    if isinstance(tp, type) and issubclass(tp, Message):
+        return _nested_to_wire
+    return None
+
+
+def _nested_to_wire(v: Message) -> dict[str, Any]:
+    return v._fields_to_wire()

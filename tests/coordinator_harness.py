@@ -1,10 +1,13 @@
-"""Test-only data for the coordinator tests: a small dataset and a run config over it
-(written with swarmlab's TOML writer). Processes, waits and the audit are swarmlab's."""
+"""Test-only data for the coordinator tests: a small dataset, a run config over it
+(written with swarmlab's TOML writer), and the real SQLite store with its transactions
+counted. Processes, waits and the audit are swarmlab's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from coordinator.journal import Batch
+from coordinator.store import SQLiteStore
 from swarmlab.configs import write_toml
 
 SHARD_TOKENS = 2048  # tokens per shard in the test dataset
@@ -35,3 +38,15 @@ def write_config(tmp: Path, name: str = "run.toml", **extra: object) -> Path:
         "min_grant_tokens": 16,
     }
     return write_toml(tmp / name, values | extra)
+
+
+class CountingStore(SQLiteStore):
+    """The real SQLite store (`sync="normal"`), counting its transactions."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, sync="normal")
+        self.writes = 0  # committed transactions
+
+    def write(self, batch: Batch) -> None:
+        super().write(batch)
+        self.writes += 1

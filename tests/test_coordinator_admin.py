@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from coordinator.audit import AuditMonitor, replay
 from coordinator.journal import AuditEvent, Journal
-from coordinator.leases import LeaseBook, Shard
+from coordinator.leases import LeaseBook, Shard, restore_book
 from coordinator.membership import BANNED, LEFT, Membership, Peer
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
 from protocol import control as c
@@ -332,25 +332,32 @@ def test_stage_aggregates_match_a_full_recount(ops: list[tuple[str, int, float]]
         assert rates == pytest.approx(m.stage_rates(), rel=1e-9, abs=1e-6)
 
 
-def test_renewals_are_journaled_narrowly_and_coarsely() -> None:
+def test_renewals_are_soft_state_and_a_restart_grants_grace() -> None:
     j = Journal()
-    m = Membership(n_stages=1, stage_costs=[1.0], ttl_s=20.0, journal=j, expiry_slack_s=5.0)
-    book = LeaseBook([Shard(0, 100)], journal=j, ttl_s=20.0, expiry_slack_s=5.0)
+    m = Membership(n_stages=1, stage_costs=[1.0], ttl_s=20.0, journal=j)
+    book = LeaseBook([Shard(0, 100)], journal=j, ttl_s=20.0)
     m.join(_peer(1, 0, 1.0, now=0.0, ttl=20.0))
     lease, _ = book.acquire("p1", 0.0)
     assert lease is not None
     first = j.take()
     assert len(first.peers) == 1 and len(first.leases) == 1
-    for t in (1.0, 2.0, 3.0, 4.0, 5.0):  # expiry moves 5 s: within the slack
-        m.renew("p1", t, None)
+    for t in (1.0, 5.5, 19.0, 30.0):  # renewals, a throughput change among them
+        m.renew("p1", t, 3.0 if t > 5 else None)
         book.renew("p1", t)
-    assert not j
-    m.renew("p1", 5.5, 3.0)
-    book.renew("p1", 5.5)
-    batch = j.take()
-    assert batch.peers == [] and batch.leases == []  # no whole rows for a renewal
-    assert batch.peer_expiry == [(25.5, 3.0, "p1")] and batch.lease_expiry == [(25.5, 1)]
-    assert m.live["p1"].expires_at == 25.5 and lease.expires_at == 25.5  # live: exact
+    assert not j  # nothing to write
+    assert m.live["p1"].expires_at == 50.0 and lease.expires_at == 50.0  # live: exact
+    # a restart from the stored rows (expiry 20.0) at t=45: one TTL of grace from then
+    m2 = Membership(
+        n_stages=1, stage_costs=[1.0], ttl_s=20.0, journal=Journal(),
+        peers=[Peer.from_row(r) for r in first.peers], grace_until=65.0,
+    )  # fmt: skip
+    book2 = restore_book(
+        first.shards, first.leases, {}, journal=Journal(), ttl_s=20.0, grace_until=65.0
+    )
+    assert m2.expire_due(64.0) == [] and book2.expire_due(64.0) == []
+    assert m2.live["p1"].expires_at == 65.0 and book2.active[1].expires_at == 65.0
+    assert [p.peer_id for p in m2.expire_due(65.0)] == ["p1"]
+    assert [x.lease_id for x in book2.expire_due(65.0)] == [1]
 
 
 def _events(ops: list[tuple[int, int, int]], sizes: dict[int, int]) -> list[AuditEvent]:

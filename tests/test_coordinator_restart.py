@@ -1,18 +1,23 @@
 """A coordinator killed with SIGKILL mid-run and restarted from the same SQLite file keeps
-committed offsets, live leases (with their remaining TTL) and the membership version;
-the run then finishes its data epoch and `agora audit` is clean."""
+committed offsets, live leases and the membership version; the run then finishes its data
+epoch and `agora audit` is clean. Renewals are soft state (never written): a lease and a
+membership carried past their stored expiry by heartbeats alone survive a SIGKILL through
+the restart's grace period."""
 
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import trio
 from coordinator_harness import write_config
 
+from coordinator.store import read_leases
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError, lease_ref
 from protocol import control as c
 from protocol.identity import NodeKey
@@ -100,3 +105,60 @@ def test_sigkill_restart_keeps_state_and_audit_is_clean(
     assert shown.returncode == 0, shown.stderr
     assert "data epoch 1" in shown.stdout and "stage" in shown.stdout
     assert coord.stop() == 0  # SIGTERM shuts down cleanly
+
+
+def _stored_expiry(db: Path, lease_id: int) -> tuple[float, float]:
+    """(the lease's, its holder's) expiry as written in the database, unix seconds."""
+    (row,) = [r for r in read_leases(db) if r[0] == lease_id]
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        (peer,) = conn.execute("SELECT expires_at FROM peers WHERE peer_id = ?", (row[2],))
+    finally:
+        conn.close()
+    return float(row[8]), float(peer[0])
+
+
+def test_leases_renewed_only_in_memory_survive_a_sigkill_restart(tmp_path: Path) -> None:
+    ttl = 8.0  # seconds
+    cfg = write_config(tmp_path, lease_ttl_s=ttl, heartbeat_interval_s=1.0)
+    db = tmp_path / "c.sqlite"
+    key = NodeKey.generate()
+    coord = start_coordinator(tmp_path, config=cfg, db=db)
+
+    async def phase1() -> tuple[c.LeaseInfo, float]:
+        async with CoordinatorClient("127.0.0.1", coord.port, key, config=FAST) as a:
+            await a.join(c.JoinRequest(throughput=100.0))
+            lease = await a.acquire()
+            assert lease is not None
+            await a.commit(lease, lease.committed, lease.committed + 100)
+            stored = _stored_expiry(db, lease.lease_id)
+            # heartbeats alone carry the lease and the membership past their stored expiry
+            deadline = time.monotonic() + 10 * ttl
+            while time.time() < max(stored) + 1.0:
+                assert time.monotonic() < deadline, "heartbeats did not get past the expiry"
+                hb = await a.heartbeat([lease_ref(lease)], throughput=200.0)
+                assert hb.renewed == [lease_ref(lease)] and hb.fenced == []
+                await trio.sleep(0.5)
+            assert hb.expires_at > max(stored) + 1.0
+            assert _stored_expiry(db, lease.lease_id) == stored  # no renewal was written
+            return lease, max(stored)
+
+    lease, stored = trio.run(phase1)
+    assert coord.kill(signal.SIGKILL) == -signal.SIGKILL
+    coord = start_coordinator(tmp_path, config=cfg, db=db)
+    assert time.time() > stored  # the stored expiries alone would end both at the restart
+
+    async def phase2() -> None:
+        async with CoordinatorClient("127.0.0.1", coord.port, key, config=FAST) as a:
+            st = await a.status()
+            assert st.peers == 1 and st.leases["active"] == 1  # the grace period
+            hb = await a.heartbeat([lease_ref(lease)])
+            assert hb.renewed == [lease_ref(lease)] and hb.fenced == []
+            reply = await a.commit(lease, lease.committed + 100, lease.limit)
+            assert reply.lease.state == "complete"
+
+    trio.run(phase2)
+    assert coord.kill(signal.SIGKILL) == -signal.SIGKILL
+    res = audit(db)
+    assert res.exit_code == 0, res.stdout
+    assert "lost 0 ranges; duplicated 0" in res.stdout
