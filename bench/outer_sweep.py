@@ -11,7 +11,9 @@ data x inner schedule at the best (GRID_DEFAULTS; flags restrict each axis). The
 204,800 tokens is a whole number of rounds at both H = 10 and H = 25 (rounds of
 2 x H x 1,024 tokens), so every run of the grid is compared with one central run; the
 default grid (18 runs and the central one) took 12.6 minutes on a shared 2-core machine.
-Results and what they say: docs/outer-loop.md, "Participation rule".
+Results and what they say: docs/outer-loop.md, "Participation rule". `--data pooled`
+(with `--grant-tokens`, `--lease-pool`, `--shuffle-windows`) runs the lease data path the
+swarm uses now: docs/outer-loop.md, "Data order", has a command per row.
 """
 
 from __future__ import annotations
