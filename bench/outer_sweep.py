@@ -11,7 +11,9 @@ data x inner schedule at the best (GRID_DEFAULTS; flags restrict each axis). The
 204,800 tokens is a whole number of rounds at both H = 10 and H = 25 (rounds of
 2 x H x 1,024 tokens), so every run of the grid is compared with one central run; the
 default grid (18 runs and the central one) took 12.6 minutes on a shared 2-core machine.
-Results and what they say: docs/outer-loop.md, "Participation rule".
+Results and what they say: docs/outer-loop.md, "Participation rule". `--data pooled`
+(with `--grant-tokens`, `--lease-pool`, `--shuffle-windows`) runs the lease data path the
+swarm uses now: docs/outer-loop.md, "Data order", has a command per row.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from node.model import PRESETS
 from node.outer.contract import COMPRESSIONS
 
 _DEFAULT = Common()  # the defaults of the command line
+_SETTING = Setting()  # the node's (and the coordinator's) defaults
 
 # --- the grid ------------------------------------------------------------------------------
 
@@ -56,6 +59,9 @@ GRID_DEFAULTS: dict[str, list[Any]] = {
     "data": ["random", "lease"],
     "inner_schedule": ["constant", "cosine"],
     "outer_compression": ["none"],
+    "grant_tokens": [_SETTING.grant_tokens],
+    "lease_pool": [_SETTING.lease_pool],
+    "shuffle_windows": [_SETTING.shuffle_windows],
 }
 
 
@@ -97,9 +103,11 @@ def grid_stage_participation(best: Setting, ax: dict[str, list[Any]]) -> list[Se
 
 
 def grid_stage_data(best: Setting, ax: dict[str, list[Any]]) -> list[Setting]:
-    """Data (random vs lease) x inner schedule (constant vs cosine) x wire codec at the best."""
+    """Data (random vs lease) x inner schedule (constant vs cosine) x wire codec at the best
+    (pooled data with the first of the given grant, pool and draw settings)."""
+    pooled = {k: ax[k][0] for k in ("grant_tokens", "lease_pool", "shuffle_windows")}
     return [
-        replace(best, data=d, inner_schedule=s, outer_compression=c, stage="data")
+        replace(best, data=d, inner_schedule=s, outer_compression=c, stage="data", **pooled)
         for d in ax["data"]
         for s in ax["inner_schedule"]
         for c in ax["outer_compression"]
@@ -123,6 +131,11 @@ def _floats(text: str) -> list[float]:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _switches(text: str) -> list[bool]:
+    words = _words(("on", "off"))(text)
+    return [w == "on" for w in words]
 
 
 def _words(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -156,7 +169,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--H", type=_ints, help="inner steps per round (outer_every_steps)")
     p.add_argument("--p", type=_floats, help="participation power(s)")
     p.add_argument("--churn", type=_floats, help="probability a replica misses a round")
-    p.add_argument("--data", type=_words(DATA_MODES), help="random | lease (comma list)")
+    p.add_argument(
+        "--data", type=_words(DATA_MODES),
+        help="random | lease | pooled (comma list): random windows, whole shards front to"
+        " back, or the lease data path (small grants in round robin, pooled leases)",
+    )  # fmt: skip
+    p.add_argument(
+        "--grant-tokens", type=_ints,
+        help=f"pooled data: largest granted range in tokens, 0 = the rest of the shard"
+        f" (default {_SETTING.grant_tokens}, the coordinator's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--lease-pool", type=_ints,
+        help=f"pooled data: open leases per replica (default {_SETTING.lease_pool}, the node's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--shuffle-windows", type=_switches,
+        help="pooled data: on | off, draw each micro-batch's windows at random across the"
+        " open leases (default on, the node's) or take them in lease order",
+    )  # fmt: skip
     p.add_argument("--inner-schedule", type=_words(SCHEDULES), help="constant | cosine")
     p.add_argument("--outer-compression", type=_words(COMPRESSIONS), help="none | fp16 | uint8")
     p.add_argument(
@@ -186,6 +217,8 @@ def _axes(args: argparse.Namespace, grid: bool) -> dict[str, list[Any]]:
     single: dict[str, list[Any]] = {
         "eta": [node.eta], "mu": [node.mu], "H": [node.H], "p": [node.p], "churn": [0.0],
         "data": ["random"], "inner_schedule": ["constant"], "outer_compression": ["none"],
+        "grant_tokens": [node.grant_tokens], "lease_pool": [node.lease_pool],
+        "shuffle_windows": [node.shuffle_windows],
     }  # fmt: skip
     base = GRID_DEFAULTS if grid else single
     given = {k: getattr(args, k) for k in base}
@@ -204,6 +237,9 @@ def _row(
         "churn": s.churn,
         "kill_at": list(kill_at) if s.churn > 0.0 else [],
         "data": s.data,
+        "grant_tokens": s.grant_tokens,
+        "lease_pool": s.lease_pool,
+        "shuffle_windows": s.shuffle_windows,
         "inner_schedule": s.inner_schedule,
         "outer_compression": s.outer_compression,
         "eval_loss": r.eval_loss,
@@ -263,9 +299,16 @@ class _Bar:
             self.bar.stop()
 
 
+def _data_label(s: Setting) -> str:
+    if s.data != "pooled":
+        return s.data
+    draw = "shuffled" if s.shuffle_windows else "in order"
+    return f"pooled ({s.grant_tokens} x {s.lease_pool}, {draw})"
+
+
 def _label(s: Setting) -> str:
     return (
-        f"eta {s.eta} mu {s.mu} H {s.H} p {s.p} churn {s.churn} {s.data}"
+        f"eta {s.eta} mu {s.mu} H {s.H} p {s.p} churn {s.churn} {_data_label(s)}"
         f" {s.inner_schedule}{'' if s.outer_compression == 'none' else ' ' + s.outer_compression}"
     )
 
@@ -370,6 +413,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _data_cell(r: dict[str, Any]) -> str:
+    """`pooled 8192x8 shuf`: grant tokens x open leases, windows shuffled or in order."""
+    if r["data"] != "pooled":
+        return str(r["data"])
+    draw = "shuf" if r["shuffle_windows"] else "ord"
+    return f"pooled {r['grant_tokens']}x{r['lease_pool']} {draw}"
+
+
 def _table(out: dict[str, Any]) -> None:
     c = out["common"]
     print(
@@ -379,14 +430,14 @@ def _table(out: dict[str, Any]) -> None:
     for ref in out["central"]:
         print(f"central: eval loss {ref['eval_loss']:.4f} at {ref['tokens_trained']:,} tokens")
     head = (
-        f"{'stage':<14}{'eta':>5}{'mu':>5}{'H':>4}{'p':>5}{'churn':>6}  {'data':<7}{'sched':<9}"
+        f"{'stage':<14}{'eta':>5}{'mu':>5}{'H':>4}{'p':>5}{'churn':>6}  {'data':<20}{'sched':<9}"
         f"{'wire':<6}{'rounds':>8}{'eta_r':>7}{'eval':>8}{'gap %':>8}{'wall s':>8}"
     )
     print(head)
     for r in out["rows"]:
         print(
             f"{r['stage']:<14}{r['eta']:>5g}{r['mu']:>5g}{r['H']:>4}{r['p']:>5g}{r['churn']:>6g}"
-            f"  {r['data']:<7}{r['inner_schedule']:<9}{r['outer_compression']:<6}"
+            f"  {_data_cell(r):<20}{r['inner_schedule']:<9}{r['outer_compression']:<6}"
             f"{r['rounds_applied']:>4}/{r['rounds']:<3}{r['mean_eta_r']:>7.3f}"
             f"{r['eval_loss']:>8.4f}{r['gap_pct']:>+8.2f}{r['wall_s']:>8.1f}"
         )

@@ -13,9 +13,13 @@ that reuses the real pieces:
   and `merge_local_progress` to set a replica to the new `theta_g`;
 - the wire codec of group rounds: `node.outer.wire.round_trip`, the outer-loop process's
   pseudo-gradient compression and decoder (loaded only when a run asks for one);
-- the data: `node.data.RandomBatches` (random windows, like the central run) or
-  `node.data.shard_batches` over the manifest's training shards in lease order (like a
-  stage-0 driver working through leased shards), and the fixed held-out set of
+- the data: `node.data.RandomBatches` (`random`: random windows, like the central run),
+  or stage 0's leased data (`bench.outer_sweep_data`): `lease`, whole shards in manifest
+  order read front to back (the node's data path before small grants), or `pooled`, the
+  lease data path the swarm runs now (ranges of at most `grant_tokens` tokens from shards
+  in a seeded per-epoch order, round robin; the node's `node.lease_pool.LeasePool` with
+  `lease_pool` open leases and windows drawn across them when `shuffle_windows`, committed
+  by its commit rule at the round that carries them); and the fixed held-out set of
   `agora baseline` / `agora bench convergence` (`node.data.eval_batches`).
 
 One simulated run: R replicas of the full model (default 2), each with its own AdamW
@@ -32,12 +36,14 @@ gathers fewer tokens, so eta_r shrinks by the participation rule) and it rebases
 new `theta_g`, losing its round. With churn, `--kill-at` adds kill+join events: at each
 fraction of the run one replica (in turn) is killed during a round (its round is lost) and
 a fresh replica starts from the new `theta_g` with a fresh AdamW (warm-up again) at the
-next round; in lease mode it resumes the killed replica's shard where it stood, as the
-coordinator hands a released shard out first. A round nobody took part in does not step.
+next round; in the lease modes the killed replica's shards are handed out first, from
+where they stood (`lease`) or from their committed offsets (`pooled`), as the coordinator
+does with released ones. A round nobody took part in does not step.
 
 Simplifications, relative to the real node: rounds are synchronous (no overlap of inner
 steps with the round); a replica that misses a round does not step alone on a diverging
-copy of `theta_g` (it rebases); data a replica trained in a lost round is not re-trained;
+copy of `theta_g` (it rebases); data a replica trained in a lost round is not re-trained
+(except in `pooled` mode, whose commit rule hands it back as the node's does);
 one process trains the whole model (no pipeline stages, no boundary codec).
 
 The central reference (`central`) is `node.baseline.train` for the same total tokens (the
@@ -50,15 +56,16 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 
+from bench.outer_sweep_data import GrantQueue, LeaseBatches, LeaseQueue, PooledBatches
 from node.baseline import ChainedStages, TrainConfig, evaluate, lr_at, train, train_step
 from node.config import NodeConfig
-from node.data import Batch, Dataset, RandomBatches, eval_batches, shard_batches
+from node.data import Dataset, RandomBatches, eval_batches
 from node.diloco import (
     Contribution,
     DilocoConfig,
@@ -70,9 +77,8 @@ from node.diloco import (
 )
 from node.model import PRESETS, ModelConfig, param_groups, preset
 from node.outer.contract import COMPRESSIONS
-from protocol.corpus import shard_data
 
-DATA_MODES = ("random", "lease")
+DATA_MODES = ("random", "lease", "pooled")
 SCHEDULES = ("constant", "cosine")
 # the node's defaults (inner lr, warm-up, weight decay, outer settings)
 _NODE: dict[str, Any] = {f.name: f.default for f in fields(NodeConfig)}
@@ -136,7 +142,12 @@ class Setting:
     H: int = int(_node_default("outer_every_steps"))  # inner steps per round (steps)
     p: float = float(_node_default("outer_participation_power"))  # participation power (exponent)
     churn: float = 0.0  # probability a replica misses a round (probability)
-    data: str = "random"  # random | lease (name)
+    data: str = "random"  # random | lease | pooled (name)
+    # pooled data only: the coordinator's default grant cap (coordinator.config's
+    # grant_tokens; 0 = the rest of the shard) and the node's pool and window draw
+    grant_tokens: int = 8192  # largest granted range (tokens)
+    lease_pool: int = int(_node_default("lease_pool"))  # open leases per replica (leases)
+    shuffle_windows: bool = bool(_node_default("shuffle_windows"))  # draw across leases
     inner_schedule: str = "constant"  # constant | cosine (name)
     outer_compression: str = "none"  # none | fp16 | uint8, group rounds only (name)
     stage: str = ""  # which part of the grid asked for it (label)
@@ -148,6 +159,8 @@ class Setting:
             raise ValueError(f"data in {DATA_MODES}, inner schedule in {SCHEDULES}")
         if self.outer_compression not in COMPRESSIONS:
             raise ValueError(f"outer compression in {COMPRESSIONS}")
+        if self.grant_tokens < 0 or self.lease_pool < 1:
+            raise ValueError("grant_tokens must be >= 0 and lease_pool >= 1")
 
     def key(self) -> tuple[Any, ...]:
         d = asdict(self)
@@ -176,56 +189,11 @@ def _wire(delta: torch.Tensor, codec: str) -> torch.Tensor:
     return round_trip(delta, codec)
 
 
-class LeaseQueue:
-    """Training shards in the coordinator's order; a released shard is handed out first,
-    from where it stood."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-        self.queue: list[tuple[int, int]] = [(i, 0) for i in range(len(dataset.manifest.train))]
-
-    def acquire(self) -> tuple[int, int]:
-        if not self.queue:  # a new data epoch
-            self.queue = [(i, 0) for i in range(len(self.dataset.manifest.train))]
-        return self.queue.pop(0)
-
-    def release(self, shard: int, offset: int) -> None:
-        self.queue.insert(0, (shard, offset))
-
-
-class LeaseBatches:
-    """Consecutive windows of leased shards (`shard_batches`), `rows` windows a step."""
-
-    def __init__(self, leases: LeaseQueue, rows: int, seq_len: int) -> None:
-        self.leases, self.rows, self.seq_len = leases, rows, seq_len
-        self.shard, self.offset = leases.acquire()
-        self._it = self._open()
-
-    def _open(self) -> Iterator[tuple[int, Batch]]:
-        info = self.leases.dataset.manifest.train[self.shard]
-        data = shard_data(self.leases.dataset.data, info)
-        return shard_batches(data, self.rows, self.seq_len, self.offset)
-
-    def __next__(self) -> Batch:
-        for _ in range(3):
-            got = next(self._it, None)
-            if got is not None:
-                pos, batch = got
-                self.offset = pos + self.rows * self.seq_len
-                return batch
-            self.shard, self.offset = self.leases.acquire()
-            self._it = self._open()
-        raise ValueError("training shards are shorter than one inner batch")
-
-    def release(self) -> None:
-        self.leases.release(self.shard, self.offset)
-
-
 @dataclass
 class Replica:
     model: ChainedStages
     opt: torch.optim.Optimizer
-    batches: Any  # RandomBatches | LeaseBatches
+    batches: Any  # RandomBatches | LeaseBatches | PooledBatches
     steps: int = 0  # its own inner steps (warm-up restarts for a joiner)
     tokens: int = 0  # tokens trained since it last took theta_g
     loss: float = float("nan")
@@ -271,6 +239,10 @@ class Simulation:
         )
         self.churn_rng = random.Random(common.seed)
         self.leases = LeaseQueue(dataset)
+        self.grants = GrantQueue(
+            dataset.manifest.train, grant_tokens=setting.grant_tokens, seed=common.seed
+        )
+        self._took_part: set[int] = set()  # slots whose contribution is in this round
         self._seeds = itertools.count(common.seed + 1)
         self.replicas: list[Replica | None] = [self._fresh() for _ in range(common.replicas)]
         first = self.replicas[0]
@@ -298,8 +270,14 @@ class Simulation:
             batches = RandomBatches(
                 self.dataset.train, self.rows, self.c.seq_len, seed=next(self._seeds)
             )
-        else:
+        elif self.s.data == "lease":
             batches = LeaseBatches(self.leases, self.rows, self.c.seq_len)
+        else:  # the node's window draw is seeded per node; here per replica
+            rng = random.Random(next(self._seeds)) if self.s.shuffle_windows else None
+            batches = PooledBatches(
+                self.grants, self.dataset, rows=self.rows, seq_len=self.c.seq_len,
+                lease_pool=self.s.lease_pool, rng=rng,
+            )  # fmt: skip
         return Replica(model=model, opt=opt, batches=batches)
 
     def lr(self, rep: Replica, global_step: int) -> float:
@@ -313,7 +291,7 @@ class Simulation:
         """Round k's inner steps on every live replica; the contributions of those that
         take part (churn and kills decide)."""
         contribs: list[Contribution] = []
-        self._events, self._missed = [], []
+        self._events, self._missed, self._took_part = [], [], set()
         for slot, rep in enumerate(self.replicas):
             if rep is None:
                 continue
@@ -325,9 +303,11 @@ class Simulation:
             if not math.isfinite(rep.loss):
                 raise FloatingPointError(f"replica {slot}: training loss {rep.loss} in round {k}")
             missed = self.churn_rng.random() < self.s.churn
+            if isinstance(rep.batches, PooledBatches):
+                rep.batches.round_start()
             if self.kills.get(k) == slot:
                 self._events.append(f"round {k}: replica {slot} killed, a fresh one joins")
-                if isinstance(rep.batches, LeaseBatches):
+                if not isinstance(rep.batches, RandomBatches):
                     rep.batches.release()
                 self.joining[slot] = self._fresh()
                 self.replicas[slot] = None
@@ -335,6 +315,7 @@ class Simulation:
             if missed:
                 self._missed.append(slot)
                 continue
+            self._took_part.add(slot)
             contribs.append(
                 Contribution(
                     delta=pseudo_gradient(self.state.theta_g, flat_params(rep.model)),
@@ -352,14 +333,16 @@ class Simulation:
         for slot, joiner in self.joining.items():
             self.replicas[slot] = joiner
         self.joining = {}
+        applied = rep_ is not None and rep_.applied
         losses = []
-        for rep in self.replicas:
+        for slot, rep in enumerate(self.replicas):
             assert rep is not None
+            if isinstance(rep.batches, PooledBatches):
+                rep.batches.round_end(applied=applied, contributed=slot in self._took_part)
             _load_flat(rep.model, self.state.theta_g)
             rep.tokens = 0
             if math.isfinite(rep.loss):
                 losses.append(rep.loss)
-        applied = rep_ is not None and rep_.applied
         return RoundLog(
             round=k,
             participants=len(contribs),
