@@ -31,15 +31,10 @@ CFG = OuterConfig(
 def start(
     links: list[OuterLink], env: dict[str, str], run: str, peers: list[str], attack: str = ""
 ) -> OuterLink:
-    entry = ("-m", "swarmlab.chaos.rogue_outer", "--attack", attack) if attack else None
+    honest = ("-m", "node.outer")
+    entry = ("-m", "swarmlab.chaos.rogue_outer", "--attack", attack) if attack else honest
     link = OuterLink.start(
-        run_id=run,
-        stage=0,
-        numel=N,
-        initial_peers=peers,
-        config=CFG,
-        env=env,
-        **({"entry": entry} if entry else {}),
+        run_id=run, stage=0, numel=N, initial_peers=peers, config=CFG, env=env, entry=entry
     )
     links.append(link)
     return link
