@@ -93,6 +93,10 @@ class CoordinatorConfig:
     deadline_margin_s: float = 60.0  # seconds kept free before a node's deadline
     rebalance_ratio: float = 0.5  # move a peer when a stage's rate < ratio * strongest's
     rebalance_interval_s: float = 30.0  # seconds between rebalance checks
+    # largest share of one stage's replicas that members joining from one source IP may
+    # hold (fraction; one member per source is always allowed; loopback sources, i.e. a
+    # swarm on one machine, are exempt); 1.0 = no cap. 0.5 suits open runs.
+    max_source_share: float = 1.0
     # security and limits
     auth: str = "open"  # open | token | allowlist
     join_token: str = dataclasses.field(default="", repr=False)  # for auth = "token"
@@ -194,6 +198,7 @@ class CoordinatorConfig:
         need(self.max_leases_per_peer >= 1, "max_leases_per_peer must be >= 1")
         need(self.grant_tokens is None or self.grant_tokens >= 0, "grant_tokens must be >= 0")
         need(0 < self.rebalance_ratio <= 1, "rebalance_ratio must be in (0, 1]")
+        need(0 < self.max_source_share <= 1, "max_source_share must be in (0, 1]")
         need(self.max_frame_bytes >= 4096, "max_frame_bytes must be >= 4096")
         need(
             4096 <= self.max_request_bytes <= self.max_frame_bytes,

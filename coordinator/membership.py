@@ -32,11 +32,12 @@ import bisect
 import collections
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from coordinator.journal import Journal
-from protocol.addrs import fit, observed
+from protocol.addrs import fit, is_loopback_ip, observed
 from protocol.control import DeviceMemory, MembershipReply, PeerInfo
 
 LIVE, LEFT, DEAD, BANNED = "live", "left", "dead", "banned"
@@ -145,6 +146,7 @@ class Membership:
         peers: Iterable[Peer] = (),
         mlog: Iterable[tuple[int, str, str]] = (),
         grace_until: float = 0.0,
+        max_source_share: float = 1.0,
     ) -> None:
         """`peers` are stored rows (`Peer.from_row`); each live one expires no earlier
         than `grace_until` (unix seconds), as renewals were never stored."""
@@ -160,6 +162,8 @@ class Membership:
         self.banned: set[str] = set()
         self._sums = [0.0] * n_stages  # tokens/s per stage (peer rates floored at MIN_RATE)
         self._counts = [0] * n_stages  # live peers per stage
+        self._by_source: collections.Counter[tuple[int, str]] = collections.Counter()
+        self.max_source_share = max_source_share  # see `source_allows`
         self.observers = 0  # live observers (on no stage)
         peers = list(peers)
         for p in peers:
@@ -192,6 +196,7 @@ class Membership:
     def resum(self) -> None:
         """Recompute the per-stage aggregates from the live peers (O(peers))."""
         sums, counts = [0.0] * self.n_stages, [0] * self.n_stages
+        by_source: collections.Counter[tuple[int, str]] = collections.Counter()
         observers = 0
         for p in self.live.values():
             if p.observer:
@@ -199,7 +204,10 @@ class Membership:
             elif p.stage < self.n_stages:
                 sums[p.stage] += max(p.throughput, MIN_RATE)
                 counts[p.stage] += 1
+                if p.metrics_host:
+                    by_source[(p.stage, p.metrics_host)] += 1
         self._sums, self._counts, self.observers = sums, counts, observers
+        self._by_source = by_source
 
     def _account(self, peer: Peer, sign: int) -> None:
         if peer.observer:
@@ -207,6 +215,8 @@ class Membership:
         elif peer.stage < self.n_stages:
             self._sums[peer.stage] += sign * max(peer.throughput, MIN_RATE)
             self._counts[peer.stage] += sign
+            if peer.metrics_host:
+                self._by_source[(peer.stage, peer.metrics_host)] += sign
 
     def move(self, peer: Peer, stage: int) -> None:
         """Put a live peer on `stage` (keeps the aggregates right; not versioned)."""
@@ -218,6 +228,22 @@ class Membership:
         peer.stage = stage
         if live:
             self._account(peer, +1)
+
+    def source_allows(self, source: str | None, stage: int) -> bool:
+        """Whether one more member joining from `source` (the IP its connection came
+        from) may go on `stage`: that source then holds at most `max_source_share` of the
+        stage's replicas, or one. A Sybil with many keys behind one address cannot become
+        the majority of a stage (and so of its medians). Loopback sources (a swarm on one
+        machine) and an unknown source are not capped."""
+        if self.max_source_share >= 1.0 or not source or is_loopback_ip(source):
+            return True
+        mine = self._by_source[(stage, source)] + 1
+        return mine <= max(1, math.floor(self.max_source_share * (self._counts[stage] + 1)))
+
+    def open_stages(self, source: str | None, fits: Iterable[int] | None) -> list[int]:
+        """The stages among `fits` (None: all) that `source_allows` for one more member."""
+        stages = range(self.n_stages) if fits is None else fits
+        return [s for s in stages if self.source_allows(source, s)]
 
     def place(self, allowed: Iterable[int] | None = None) -> int:
         """The weakest stage among `allowed` (None: all; it must not be empty)."""
@@ -245,6 +271,8 @@ class Membership:
                 continue
             if p.fits is not None and lo not in p.fits:
                 continue  # its device cannot hold the weakest stage
+            if not self.source_allows(p.metrics_host, lo):
+                continue  # its source holds its share of the weakest stage already
             t = max(p.throughput, MIN_RATE)
             new_lo, new_hi = rates[lo] + t / c_lo, rates[hi] - t / c_hi
             if min(new_lo, new_hi) <= rates[lo]:

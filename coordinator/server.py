@@ -181,6 +181,7 @@ def build_state(
         peers=[Peer.from_row(r) for r in snap.peers],
         mlog=snap.mlog,
         grace_until=grace_until,
+        max_source_share=cfg.max_source_share,
     )
     for p in list(membership.live.values()):
         if p.stage >= cfg.n_stages:  # n_stages shrank between runs

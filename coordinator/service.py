@@ -255,7 +255,12 @@ class Service:
         if req.observer:  # listed, on no stage: never placed, routed to or given leases
             stage = self.cfg.n_stages
         else:
-            stage = req.stage if req.stage is not None else self.membership.place(fits)
+            open_to = self.membership.open_stages(host, fits)
+            if req.stage is not None and req.stage not in open_to or not open_to:
+                where = f"stage {req.stage}" if req.stage is not None else "every stage it fits"
+                log.info("join refused (source %s holds its share) from %s", host, peer_id)
+                return _err("source_share", f"members from {host} hold their share of {where}")
+            stage = req.stage if req.stage is not None else self.membership.place(open_to)
         peer = Peer(
             peer_id=peer_id,
             public_key=key,

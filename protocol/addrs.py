@@ -179,7 +179,12 @@ def is_wildcard(addr: str) -> bool:
 def is_loopback(addr: str) -> bool:
     """An address on 127.0.0.0/8 or ::1 (reachable from the same host only)."""
     ip = ip_of(addr)
-    parsed = _parse_ip(ip) if ip is not None else None
+    return ip is not None and is_loopback_ip(ip)
+
+
+def is_loopback_ip(ip: str) -> bool:
+    """A bare IP (`127.0.0.1`, `::1`, `::ffff:127.0.0.1`) on loopback."""
+    parsed = _parse_ip(ip)
     return parsed is not None and parsed.is_loopback
 
 
