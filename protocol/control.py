@@ -18,7 +18,9 @@ Node-facing calls (request -> reply):
   old membership (its leases are fenced). A node that reports its device memory
   (`JoinRequest.memory`) is placed only on a stage whose estimate (`protocol.memory`)
   fits it: when none does, or not the `stage` it asked for, the join is refused with
-  `no_stage_fits`. Fetch the dataset manifest with
+  `no_stage_fits`. With `max_source_share` set, members from one source address hold at
+  most that share of a stage's replicas, else the join goes elsewhere or is refused with
+  `source_share`. Fetch the dataset manifest with
   `ManifestRequest` -> `protocol.corpus.Manifest`.
 - `HeartbeatRequest` -> `HeartbeatReply`: send every `RunInfo.heartbeat_interval_s`.
   Renews the membership and every lease the node holds. The reply lists the leases
@@ -106,6 +108,9 @@ ERROR_CODES = (
     # join refused: no stage's memory estimate (protocol.memory) fits the device memory the
     # node reported, or the stage it asked for does not; detail: the need and the memory
     "no_stage_fits",
+    # join refused: members from the joiner's source address already hold
+    # `max_source_share` of the stage it asked for, or of every stage it fits
+    "source_share",
     "internal",  # the coordinator failed; retry later
 )
 
