@@ -5,11 +5,13 @@ heartbeats of a run are byte-identical (no leases, nothing to announce), so the 
 decoded and validated once and the immutable message reused. Only small bodies are
 kept, at most `max_entries` of them (the oldest goes first). Envelopes and replies go
 through the `protocol` codecs themselves (`protocol.signing.open_envelope`,
-`protocol.framing.frame_message`), which are built for this path.
+`protocol.framing.frame_message`), which are built for this path. `soft` says which
+replies may go out before the pending writes are durable.
 """
 
 from __future__ import annotations
 
+from protocol import control as c
 from protocol.codec import UnpackLimits
 from protocol.message import Message
 from protocol.signing import SignedRequest, decode_body
@@ -46,3 +48,17 @@ class BodyCache:
                 del self._cache[next(iter(self._cache))]
             self._cache[body] = msg
         return msg
+
+
+def soft(body: Message, reply: Message) -> bool:
+    """Whether `reply` to `body` may go out before the pending writes are durable: a
+    heartbeat's that only renewed liveness (nothing announced, nothing moved or fenced).
+    Such a reply may show others' changes still being written (a membership version, a
+    drain, a pause); none of them grants anything, and each is re-sent in later replies."""
+    return (
+        type(reply) is c.HeartbeatReply
+        and type(body) is c.HeartbeatRequest
+        and body.dht_addrs is None
+        and not reply.moved
+        and not reply.fenced
+    )

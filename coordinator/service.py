@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from coordinator.attest import Attestations, LiveOn
 from coordinator.config import CoordinatorConfig
 from coordinator.edge import RateLimiter
 from coordinator.facilities import FacilityBook, PlacementPolicy
-from coordinator.fastpath import BodyCache
+from coordinator.fastpath import BodyCache, soft
 from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError
 from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
@@ -105,6 +106,7 @@ class Service:
             cfg.model_preset, seed=cfg.seed, vocab_size=vocab, split=cfg.stage_layers or ()
         )
         self.memory_fit = MemoryFit(model, cfg.n_stages)
+        self.attest = Attestations()  # replicas' reported states (coordinator/attest.py)
         self._handlers: dict[type[Message], Callable[..., Message]] = {
             c.HeartbeatRequest: self._heartbeat,
             c.MembershipRequest: self._membership,
@@ -317,6 +319,8 @@ class Service:
 
     def _heartbeat(self, peer: Peer, req: c.HeartbeatRequest, now: float) -> Message:
         self.membership.renew(peer.peer_id, now, req.throughput)
+        if req.state is not None and not peer.observer:
+            self.attest.report(peer.peer_id, peer.stage, (req.state.round, req.state.digest))
         if req.dht_addrs is not None:
             self.membership.announce(peer.peer_id, req.dht_addrs)
         held = self.book.renew(peer.peer_id, now)
@@ -337,7 +341,13 @@ class Service:
             membership_version=self.membership.version,
             data_epoch=self.book.data_epoch,
             freed=self.book.freed_waiting() if takes_leases else 0,
+            attested=self.attested(peer.stage),
         )
+
+    def attested(self, stage: int) -> c.StateRef | None:
+        """The stage's attested state (coordinator.attest), over its live replicas."""
+        found = self.attest.attested(stage, LiveOn(self.membership.live, stage))
+        return c.StateRef(round=found[0], digest=found[1]) if found is not None else None
 
     def _membership(self, peer: Peer, req: c.MembershipRequest, now: float) -> Message:
         return self.membership.delta(
@@ -350,6 +360,7 @@ class Service:
     def _leave(self, peer: Peer, req: c.LeaveRequest, now: float) -> Message:
         released = self.book.release_holder(peer.peer_id, now, expired=False)
         self.membership.remove(peer.peer_id, LEFT)
+        self.attest.forget(peer.peer_id)
         self.metrics.leaves.labels("left").inc()
         log.info("leave %s (released %d leases)", peer.peer_id, len(released))
         return c.OkReply(detail=f"left; released {len(released)} leases")
@@ -359,6 +370,7 @@ class Service:
         dead = self.membership.expire_due(now)
         n = 0
         for p in dead:
+            self.attest.forget(p.peer_id)
             n += len(self.book.release_holder(p.peer_id, now, expired=True))
             log.info("peer %s lapsed (no heartbeat for %.1fs)", p.peer_id, self.cfg.lease_ttl_s)
         n += len(self.book.expire_due(now))
@@ -499,7 +511,13 @@ class Service:
         counts = self.membership.stage_counts()
         costs = self.membership.stage_costs
         stages = [
-            c.StageStatus(stage=s, peers=counts[s], throughput=rates[s] * costs[s], cost=costs[s])
+            c.StageStatus(
+                stage=s,
+                peers=counts[s],
+                throughput=rates[s] * costs[s],
+                cost=costs[s],
+                attested=self.attested(s),
+            )  # fmt: skip
             for s in range(self.cfg.n_stages)
         ]
         rate = 0.0
@@ -525,17 +543,3 @@ class Service:
             relays=list(self.cfg.relays),
             observers=self.membership.observers,
         )
-
-
-def soft(body: Message, reply: Message) -> bool:
-    """Whether `reply` to `body` may go out before the pending writes are durable: a
-    heartbeat's that only renewed liveness (nothing announced, nothing moved or fenced).
-    Such a reply may show others' changes still being written (a membership version, a
-    drain, a pause); none of them grants anything, and each is re-sent in later replies."""
-    return (
-        type(reply) is c.HeartbeatReply
-        and type(body) is c.HeartbeatRequest
-        and body.dht_addrs is None
-        and not reply.moved
-        and not reply.fenced
-    )

@@ -133,6 +133,9 @@ class CoordinatorClient:
         self._announce: list[str] | None = None  # DHT addresses for the next heartbeat
         self.freed = 0  # freed ranges waiting for a holder, as the last heartbeat reply said
         self._freed_seen = trio.Event()  # set by a reply that reported some
+        self.state: c.StateRef | None = None  # the global state this replica holds
+        self.attested: c.StateRef | None = None  # its stage's, as the last reply said
+        self._report_now = trio.Event()  # set by a new state: heartbeat at once
 
     @classmethod
     def to(
@@ -265,10 +268,13 @@ class CoordinatorClient:
     ) -> c.HeartbeatReply:
         announce = self._announce
         reply = await self._typed(
-            c.HeartbeatRequest(leases=leases or [], throughput=throughput, dht_addrs=announce),
+            c.HeartbeatRequest(
+                leases=leases or [], throughput=throughput, dht_addrs=announce, state=self.state
+            ),
             c.HeartbeatReply,
         )
         assert isinstance(reply, c.HeartbeatReply)
+        self.attested = reply.attested
         if announce is self._announce:
             self._announce = None
         self.freed = reply.freed
@@ -281,6 +287,14 @@ class CoordinatorClient:
         await self._freed_seen.wait()
         self._freed_seen = trio.Event()
         return self.freed
+
+    def report_state(self, round_: int, digest: str) -> None:
+        """Report the global state this replica holds now, in a heartbeat sent at once
+        and in every later one (the coordinator attests its stage's state from them)."""
+        state = c.StateRef(round=round_, digest=digest)
+        if state != self.state:
+            self.state = state
+            self._report_now.set()
 
     def announce_dht(self, addrs: list[str]) -> None:
         """Publish new DHT addresses with the next heartbeat (and in any re-join)."""
@@ -316,7 +330,9 @@ class CoordinatorClient:
                     await on_rejoin(joined)
             except CoordinatorUnavailable as exc:
                 log.warning("coordinator unavailable: %s", exc)
-            await trio.sleep(interval)
+            with trio.move_on_after(interval):  # or sooner, to report a new state
+                await self._report_now.wait()
+            self._report_now = trio.Event()
 
     async def _membership_page(
         self, since: int, stage: int | None, after: str = ""

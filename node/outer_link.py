@@ -117,7 +117,7 @@ class OuterLink:
         self._ready = Ready(addrs=[], peer_id="")
         self.stall_s = 0.0  # seconds callers spent blocked in link calls
         self.round = 0
-        self._state_timeout = OuterConfig().state_timeout_s  # s, replaced by start()
+        self.state_timeout_s = OuterConfig().state_timeout_s  # s, set by start()
         self.digest = ""  # digest of the outer process's state after the last operation
         self.lineage: list[Link] = []  # that state's chain, ending with it (protocol.lineage)
 
@@ -182,7 +182,7 @@ class OuterLink:
         except BaseException:
             link.close(timeout=5.0)
             raise
-        link._state_timeout = cfg.state_timeout_s
+        link.state_timeout_s = cfg.state_timeout_s
         return link
 
     # ---- public API ------------------------------------------------------------------
@@ -228,13 +228,16 @@ class OuterLink:
         self.round = round_
         self.stall_s += time.monotonic() - t0
 
-    def fetch_state(self, timeout: float | None = None) -> int | None:
+    def fetch_state(
+        self, timeout: float | None = None, attested: tuple[int, str] | None = None
+    ) -> int | None:
         """Download (theta_g, m, round) from a live replica into the outer process; theta_g is
-        then in `theta_g()`. Returns the round, or None when no replica answered."""
+        then in `theta_g()`. With `attested` (the stage's attested (round, digest)) only
+        that state is taken. Returns the round, or None when no replica served one."""
         self._require_idle()
         t0 = time.monotonic()
-        limit = self._state_timeout if timeout is None else timeout
-        self._send(Fetch(timeout_s=limit))
+        limit = self.state_timeout_s if timeout is None else timeout
+        self._send(Fetch(timeout_s=limit, attested=attested))
         reply = self._expect(StateFetched, limit + 10.0)
         self.stall_s += time.monotonic() - t0
         if not reply.ok:
@@ -252,12 +255,18 @@ class OuterLink:
         return self._expect(Peeked, timeout).waiting
 
     def begin_round(
-        self, params: Sequence[torch.Tensor], tokens: int, target_tokens: int | None = None
+        self,
+        params: Sequence[torch.Tensor],
+        tokens: int,
+        target_tokens: int | None = None,
+        attested: tuple[int, str] | None = None,
     ) -> None:
         """Hand the working copy (as it is now) and the tokens trained since the last
         theta_g to the outer process, which runs the round in the background.
         `target_tokens` (a full round's tokens over the stage's replicas) replaces
-        `DilocoConfig.target_tokens` from this round on; None keeps it."""
+        `DilocoConfig.target_tokens` from this round on; None keeps it. `attested` is the
+        stage's attested (round, digest): the round first rebases onto that state when it
+        is newer than the one held (and onto no other)."""
         self._require_idle()
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
@@ -266,7 +275,7 @@ class OuterLink:
         if target_tokens is not None and target_tokens < 0:
             raise ValueError(f"target_tokens must be >= 0, got {target_tokens}")
         target = None if target_tokens is None else int(target_tokens)
-        self._send(Begin(tokens=int(tokens), target_tokens=target))
+        self._send(Begin(tokens=int(tokens), target_tokens=target, attested=attested))
         self._pending = RoundResult.OP
         self.stall_s += time.monotonic() - t0
 

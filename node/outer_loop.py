@@ -38,7 +38,7 @@ from node.diloco import DilocoConfig
 from node.events import EventLog
 from node.lease_pool import RoundFacts, RoundMark
 from node.outer_link import OuterConfig, OuterLinkError
-from node.outer_rounds import OuterRounds
+from node.outer_rounds import Attested, OuterRounds
 from node.peer_view import PeerView
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker
@@ -78,8 +78,10 @@ class OuterLoop:
         checkpoint_dir: Path | None = None,  # resume from a checkpoint of the stage here
         events: EventLog | None = None,
         on_replaced: OnReplaced | None = None,  # a move took another replica's state
+        attested: Callable[[], Attested] | None = None,  # the stage's, as last told
     ) -> None:
         self.worker = worker
+        self.attested = attested or (lambda: None)
         self.compute = compute
         self.peers = peers
         self.run_info = run
@@ -111,6 +113,7 @@ class OuterLoop:
         announce_dht: Callable[[list[str]], None],
         events: EventLog | None = None,
         on_replaced: OnReplaced | None = None,
+        attested: Callable[[], Attested] | None = None,
     ) -> OuterLoop:
         """The outer loop with a node's settings."""
         return cls(
@@ -118,6 +121,7 @@ class OuterLoop:
             every_steps=cfg.outer_every_steps, tokens_per_step=cfg.inner_batch_tokens,
             snapshot=snapshot, on_state=on_state, announce_dht=announce_dht,
             checkpoint_dir=cfg.checkpoint_dir, events=events, on_replaced=on_replaced,
+            attested=attested,
         )  # fmt: skip
 
     def round_target(self) -> int:
@@ -180,6 +184,7 @@ class OuterLoop:
             sole_replica=lambda: self.peers.replicas() <= 1,
             target_tokens=self.round_target,
             events=self.events,
+            attested=self.attested,
         )
 
     async def _round_done(self, state: GlobalState, facts: RoundFacts) -> None:

@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # seconds between checks for a finished round
 PEEK_S = 1.0  # seconds between looks for a replica forming a group (between rounds)
+FETCH_TRY_S = 5.0  # seconds one fetch of the attested state may take before asking again
 OnRound = Callable[[GlobalState, RoundFacts], Awaitable[None]]
+Attested = tuple[int, str] | None  # a stage's attested (round, digest)
 
 
 class OuterRounds:
@@ -56,8 +58,12 @@ class OuterRounds:
         sole_replica: Callable[[], bool],  # no other replica trains this stage now
         target_tokens: Callable[[], int] | None = None,
         events: EventLog | None = None,
+        attested: Callable[[], Attested] | None = None,
     ) -> None:
         self.worker = worker
+        # the stage's attested (round, digest) now, as the coordinator last said: a state
+        # is fetched, and a round rebases, onto that one only (None: none known)
+        self._attested_fn = attested or (lambda: None)
         self._target_fn = target_tokens  # a full round's tokens now (participation rule)
         self.compute = compute
         self.link = link
@@ -102,6 +108,7 @@ class OuterRounds:
         sole_replica: Callable[[], bool],
         target_tokens: Callable[[], int] | None = None,
         events: EventLog | None = None,
+        attested: Callable[[], Attested] | None = None,
     ) -> OuterRounds:
         numel = sum(p.numel() for p in compute.parameters())
         # Abandoned on cancel (Ctrl-C during start-up): the outer process exits by itself
@@ -120,7 +127,7 @@ class OuterRounds:
         return cls(
             worker, compute, link, every_steps=every_steps, snapshot=snapshot,
             on_round=on_round, sole_replica=sole_replica, target_tokens=target_tokens,
-            events=events,
+            events=events, attested=attested,
         )  # fmt: skip
 
     async def load_state(
@@ -145,7 +152,7 @@ class OuterRounds:
     ) -> bool:
         params = self.compute.parameters()
         if replicas_exist:
-            got = await self.worker.run(self.link.fetch_state)
+            got = await self._fetch()
             if got is not None:
                 if keep_progress and resume is not None:
                     await self.worker.run(self._rebase, params, resume.theta_g)
@@ -175,6 +182,20 @@ class OuterRounds:
             resume.round, resume.path,
         )  # fmt: skip
         return False
+
+    async def _fetch(self) -> int | None:
+        """Fetch the stage's attested state, asking again with the newest attested state
+        every `FETCH_TRY_S` until the state timeout (replicas serve the state they hold,
+        which moves on each round); any valid state while none is attested yet."""
+        deadline = trio.current_time() + self.link.state_timeout_s
+        while True:
+            left = deadline - trio.current_time()
+            want = self._attested_fn()
+            try_s = min(left, FETCH_TRY_S) if want is not None else left
+            got = await self.worker.run(self.link.fetch_state, try_s, want)
+            if got is not None or trio.current_time() + 1.0 >= deadline:
+                return got
+            log.info("outer: the attested state %s was not served; asking again", want)
 
     def capture(self) -> GlobalState:
         """This loop's global state as a value: copies of the link's buffers (call on the
@@ -266,7 +287,7 @@ class OuterRounds:
         # Gradients of finished micro-batches that no inner step has applied yet would
         # otherwise reach theta_g one round later than the round that commits them.
         self.compute.step()
-        self.link.begin_round(self.compute.parameters(), tokens, target)
+        self.link.begin_round(self.compute.parameters(), tokens, target, self._attested_fn())
 
     async def _apply(self, result: RoundResult) -> None:
         mark, self._in_flight = self._in_flight, None

@@ -156,7 +156,7 @@ class Node:
                         self.cfg, self.worker, self.compute, peers, run,
                         snapshot=self.pool.snapshot, on_state=self._on_global_state,
                         announce_dht=self.client.announce_dht, events=self.events,
-                        on_replaced=self._on_state_replaced,
+                        on_replaced=self._on_state_replaced, attested=self._attested,
                     )  # fmt: skip
                     await self.outer.start()
                     nursery.start_soon(self.outer.run)
@@ -235,12 +235,18 @@ class Node:
         """A state was loaded (`facts` None) or a round's result came in: persist and serve
         a new state, then let stage 0's commit rule commit what reached it."""
         changed = facts is None or facts.applied
+        if state.digest:  # the coordinator attests the stage's state from these reports
+            self.client.report_state(state.round, state.digest)
         if facts is not None and facts.applied and self.checkpoint is not None:
             await self.checkpoint(state)
         if changed and self.state_server is not None:
             self.state_server.hold(state)
         if facts is not None and self.driver is not None:
             await self.driver.round_result(facts)
+
+    def _attested(self) -> tuple[int, str] | None:
+        ref = self.client.attested
+        return (ref.round, ref.digest) if ref is not None else None
 
     async def _on_state_replaced(self) -> None:
         """The outer loop moved and took another replica's state: the ranges that this

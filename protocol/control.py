@@ -27,7 +27,9 @@ Node-facing calls (request -> reply):
   renewed and those fenced (the node must drop their uncommitted work), the node's
   current stage (`moved` is true when the coordinator rebalanced it: load the new
   stage's state from peers) and `drain` (finish the round, commit, release, leave).
-  A node whose membership lapsed gets `ErrorReply(code="not_member")` and re-joins.
+  A replica reports the global state it holds (`state`, a `StateRef`); the reply names
+  its stage's attested state (`attested`: the newest one a majority of the stage's
+  reporting replicas hold). A node whose membership lapsed gets `ErrorReply(code="not_member")` and re-joins.
 - `MembershipRequest(since=v)` -> `MembershipReply`: one page of at most the
   coordinator's page size (<= `MAX_PEERS_PER_PAGE`) entries, so a reply always fits a
   frame. A delta page (`full` false) lists the peers that joined or changed (`peers`,
@@ -203,11 +205,21 @@ class LeaseInfo(Message):
 
 
 @record
+class StateRef(Message):
+    """A stage's global state as its replicas name it (node.outer): the outer round and
+    the state's digest."""
+
+    round: int = bounded(ge=0)  # outer steps in the state
+    digest: str = bounded(min_len=1, max_len=MAX_DIGEST_CHARS, each=digest_problem)
+
+
+@record
 class StageStatus(Message):
     stage: int = bounded(ge=0)
     peers: int = bounded(ge=0)
     throughput: float = bounded(ge=0.0)  # tokens/s, sum over the stage's peers
     cost: float = bounded(ge=0.0)  # relative compute cost of the stage
+    attested: StateRef | None = None  # the stage's attested global state (see heartbeat)
 
 
 # --- node requests and replies -----------------------------------------------------------
@@ -273,6 +285,8 @@ class HeartbeatRequest(Message):
     throughput: float | None = bounded(ge=0.0, le=1e12, default=None)  # tokens/s update
     # the node's hivemind DHT addresses, sent once when they change (None = unchanged)
     dht_addrs: list[str] | None = bounded(max_len=MAX_ADDRS, each=multiaddr_problem, default=None)
+    # the global state this replica holds now (None: none yet, or no outer loop)
+    state: StateRef | None = None
 
 
 @message("heartbeat.reply", version=1)
@@ -289,6 +303,10 @@ class HeartbeatReply(Message):
     # ranges of expired or released leases waiting for a holder (told to stage-0 nodes
     # only): a node with room asks for one at once (`LeaseAcquire(freed_only=True)`)
     freed: int = bounded(ge=0, default=0)
+    # the newest state of this node's stage that a majority of the stage's replicas
+    # reported (coordinator.attest); None while none is. Joiners, rebasing replicas and
+    # the live export take only this state.
+    attested: StateRef | None = None
 
 
 @message("membership", version=1)

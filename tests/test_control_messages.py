@@ -61,6 +61,8 @@ SAMPLES: list[Message] = [
     ),
     c.JoinReply(peer_id="12D3Koo", stage=0, run=RUN, membership_version=7),
     c.HeartbeatRequest(leases=[c.LeaseRef(lease_id=3, epoch=2)], throughput=5.0),
+    c.HeartbeatRequest(state=c.StateRef(round=4, digest="0a1b")),
+    c.HeartbeatReply(stage=0, attested=c.StateRef(round=2**62, digest="f" * 64)),
     c.HeartbeatReply(
         stage=1,
         moved=True,

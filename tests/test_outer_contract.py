@@ -52,7 +52,9 @@ COMMANDS: list[c.Command] = [
     c.SetState(round=5, momentum=True),
     c.SetState(),
     c.Fetch(timeout_s=15.0),
+    c.Fetch(timeout_s=5.0, attested=(3, "00ff")),
     c.Begin(tokens=100),
+    c.Begin(tokens=7, attested=(0, "ab")),
     c.Begin(tokens=0, target_tokens=400),
     c.Stop(),
     c.Peek(),
@@ -176,6 +178,9 @@ def test_the_sender_checks_what_it_sends() -> None:
         c.encode(c.SetState(round=-1))
     with pytest.raises(ProtocolError):
         c.encode(c.Fetch(timeout_s=0.0))
+    for bad in [(-1, "ab"), (1, "AB"), (1, ""), (1, "x" * 65)]:
+        with pytest.raises(ProtocolError):
+            c.encode(c.Begin(tokens=1, attested=bad))
 
 
 def test_long_errors_are_clipped_on_the_wire() -> None:

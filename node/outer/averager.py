@@ -46,7 +46,7 @@ from node.outer.all_gather import AllGatherRounds, _Exchange
 from node.outer.parts import NO_METADATA, checked_gathered
 from node.outer.reduce_scatter import ReduceScatterRounds, _Round
 from node.outer.settings import AVERAGINGS
-from node.outer.state_download import StateDownload
+from node.outer.state_download import StateDownload, state_digest
 
 log = logging.getLogger(__name__)
 
@@ -97,25 +97,48 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
 
     # ---- state downloads (run in the averager process) ----------------------------------
 
-    async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None) -> None:
-        """The valid state of the first source, by sharing priority, that sends one."""
+    def load_state(
+        self, timeout: float, want: tuple[int, str] | None = None
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """hivemind's `load_state_from_peers`, run by our `_load_state_from_peers`: with
+        `want`, only a state of that (round, digest) is taken."""
+        future: MPFuture = MPFuture()
+        call = {"timeout": timeout, "future": future, "want": want}
+        self._outer_pipe.send(("_load_state_from_peers", [], call))
+        return future.result(timeout=timeout)  # type: ignore[no-any-return]
+
+    async def _load_state_from_peers(
+        self,
+        future: MPFuture,
+        timeout: float | None = None,
+        want: tuple[int, str] | None = None,
+    ) -> None:
+        """The valid state of the first source, by sharing priority, that sends one; with
+        `want`, sources that declare its round go first, and a state of another round or
+        digest is refused."""
         try:
             wait = self.next_chunk_timeout or self.request_timeout  # s between two messages
             found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers",
                                  latest=True)  # fmt: skip
             entries = found.value if found is not None else {}
-            priority: dict[PeerID, tuple[float, float]] = {}
+            priority: dict[PeerID, tuple[float, ...]] = {}
             for key, info in entries.items() if isinstance(entries, dict) else ():
                 if isinstance(info, ValueWithExpiration) and type(info.value) in (int, float):
                     try:
                         priority[PeerID(key)] = (float(info.value), random.random())
                     except Exception:  # a key that is no peer id: that entry is skipped
                         continue
+            if want is not None:  # who declares the wanted round first
+                priority = {p: (float(v[0] == want[0]), *v) for p, v in priority.items()}
             for peer in sorted(priority, key=priority.__getitem__, reverse=True):
                 if peer == self.peer_id:
                     continue
                 try:  # one source may take the whole download's time, never more
                     got = await asyncio.wait_for(self._download_state(peer, wait), timeout)
+                    if got is not None and want is not None:
+                        held = (got[0]["round"], state_digest(got[0]["round"], *got[1]))
+                        if held != want:
+                            raise ValueError(f"it served {held}, not the attested {want}")
                 except Exception as exc:
                     log.warning("state from %s refused: %r", peer, exc)
                     continue
@@ -153,11 +176,6 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
                 gathered[pid] = checked_gathered(self.serializer.loads(user))
             except Exception:  # a member's metadata that does not even decode
                 gathered[pid] = dict(NO_METADATA)
-        async with enter_asynchronously(self.get_tensors()) as tensors:
-            if self._scheme == "reduce_scatter":
-                return await self._reduce_scatter(group_info, gathered, tensors[0])
-            return await self._all_gather(group_info, gathered, tensors[0])
-
         async with enter_asynchronously(self.get_tensors()) as tensors:
             if self._scheme == "reduce_scatter":
                 return await self._reduce_scatter(group_info, gathered, tensors[0])

@@ -156,14 +156,16 @@ class Fetch:
 
     OP: ClassVar[str] = "fetch"
     timeout_s: float  # how long to keep trying (s)
+    attested: Link | None = None  # take only this (round, digest) (None: any valid state)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": self.OP, "timeout_s": self.timeout_s}
+        return _with_attested({"op": self.OP, "timeout_s": self.timeout_s}, self.attested)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
-        return cls(timeout_s=_float(d, "timeout_s", cls, lo=0.0, hi=MAX_WAIT_S, lo_open=True))
+        d = _fields(cls, obj, optional=("attested",))
+        timeout = _float(d, "timeout_s", cls, lo=0.0, hi=MAX_WAIT_S, lo_open=True)
+        return cls(timeout_s=timeout, attested=_attested(d, cls))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,20 +175,23 @@ class Begin:
     OP: ClassVar[str] = "begin"
     tokens: int  # tokens trained since the last theta_g (tokens)
     target_tokens: int | None = None  # replaces DilocoConfig.target_tokens from now (tokens)
+    # the stage's attested state: rebase onto it first when it is newer than ours
+    attested: Link | None = None
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": self.OP, "tokens": self.tokens}
         if self.target_tokens is not None:
             out["target_tokens"] = self.target_tokens
-        return out
+        return _with_attested(out, self.attested)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj, optional=("target_tokens",))
+        d = _fields(cls, obj, optional=("target_tokens", "attested"))
         target = None
         if "target_tokens" in d:
             target = _int(d, "target_tokens", cls, lo=0, hi=MAX_COUNT)
-        return cls(tokens=_int(d, "tokens", cls, lo=0, hi=MAX_COUNT), target_tokens=target)
+        tokens = _int(d, "tokens", cls, lo=0, hi=MAX_COUNT)
+        return cls(tokens=tokens, target_tokens=target, attested=_attested(d, cls))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -518,6 +523,21 @@ def _strs(d: dict[str, Any], key: str, cls: type) -> list[str]:
 
 def _lineage(d: dict[str, Any], cls: type) -> list[Link]:
     return check_lineage(d["lineage"], f"{_where(cls)}: lineage")
+
+
+def _with_attested(out: dict[str, Any], attested: Link | None) -> dict[str, Any]:
+    if attested is not None:
+        out["attested"] = to_plain([attested])
+    return out
+
+
+def _attested(d: dict[str, Any], cls: type) -> Link | None:
+    if "attested" not in d:
+        return None
+    got = check_lineage(d["attested"], f"{_where(cls)}: attested")
+    if len(got) != 1:
+        raise ProtocolError(f"{_where(cls)}: attested must be one [round, digest] pair")
+    return got[0]
 
 
 def _path(d: dict[str, Any], key: str, cls: type) -> str:

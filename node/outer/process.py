@@ -4,8 +4,9 @@ hivemind DHT and `StageAverager`, and serves `node.outer_link.OuterLink` over a 
 Commands (`node.outer.contract`) arrive one at a time as msgpack frames and each gets one
 reply; tensors travel through the three shared /dev/shm buffers the link created.
 
-A round: compute `delta = theta_g - snapshot`; rebase first if the DHT shows a replica
-further ahead; all-gather with whoever forms a group before `matchmaking_s` (alone
+A round: compute `delta = theta_g - snapshot`; rebase first when the stage's attested
+state (coordinator.attest: the newest state a majority of the stage's replicas reported,
+passed in `Begin`) is newer than ours, downloading exactly that state; all-gather with whoever forms a group before `matchmaking_s` (alone
 otherwise); apply elastic Nesterov when this replica holds the group's canonical state,
 or adopt the state of a canonical groupmate when it does not. A group with nothing to
 average (no contribution had tokens) still settles the canonical state: its holder keeps
@@ -15,7 +16,6 @@ identical because each decodes the same compressed bytes in the same order.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import socket
 import threading
@@ -49,6 +49,7 @@ from node.outer.contract import (
     encode,
 )
 from node.outer.parts import MAX_ADDRS
+from node.outer.state_download import state_digest
 from node.outer.wire import compression
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder
@@ -60,11 +61,7 @@ INIT_TIMEOUT_S = 60.0  # the link sends Init right after starting this process (
 
 
 def digest(state: OuterState) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(state.round.to_bytes(8, "little"))
-    h.update(state.theta_g.numpy().tobytes())
-    h.update(state.m.numpy().tobytes())
-    return h.hexdigest()
+    return state_digest(state.round, state.theta_g, state.m)
 
 
 def source_lineage(meta: dict[str, Any]) -> list[Link]:
@@ -180,13 +177,13 @@ class OuterProcess:
             self.adopt(state, cmd.lineage)
             return StateSet(round=state.round, digest=self.digest, lineage=list(self.lineage))
         if isinstance(cmd, Fetch):
-            ok = self.download(cmd.timeout_s, min_round=-1)
+            ok = self.download(cmd.timeout_s, min_round=-1, want=cmd.attested)
             rnd = self.state.round if self.state else -1
             return StateFetched(ok=ok, round=rnd, digest=self.digest, lineage=list(self.lineage))
         if isinstance(cmd, Begin):
             if cmd.target_tokens is not None:  # the participation rule's target (tokens)
                 self.cfg.diloco.target_tokens = cmd.target_tokens
-            return self.run_round(cmd.tokens)
+            return self.run_round(cmd.tokens, cmd.attested)
         if isinstance(cmd, Peek):
             return Peeked(waiting=self.peers_looking_for_group())
         raise ProtocolError(f"unexpected command {cmd!r:.200}")
@@ -213,14 +210,13 @@ class OuterProcess:
         self.averager.allow_state_sharing = True
         self.averager.state_sharing_priority = float(state.round)
 
-    def download(self, timeout: float, min_round: int) -> bool:
-        """Adopt the state of the most advanced replica that shares it (by DHT priority)."""
+    def download(self, timeout: float, min_round: int, want: Link | None = None) -> bool:
+        """Adopt the state of the most advanced replica that shares it (by DHT priority);
+        with `want`, only the state of that (round, digest)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                got = self.averager.load_state_from_peers(
-                    timeout=max(0.5, deadline - time.monotonic())
-                )
+                got = self.averager.load_state(max(0.5, deadline - time.monotonic()), want)
             except TimeoutError:  # the averager is still at it; its sources are bounded
                 got = None
             if got is not None:  # checked by the averager (node.outer.state_download)
@@ -236,18 +232,6 @@ class OuterProcess:
                         return True
             time.sleep(0.2)
         return False
-
-    def best_known_round(self) -> int:
-        """Highest round any replica of this stage declares in the DHT (its sharing priority)."""
-        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return -1
-        rounds = [
-            v.value
-            for v in found.value.values()
-            if isinstance(getattr(v, "value", None), float | int)
-        ]
-        return int(max(rounds)) if rounds else -1
 
     def peers_looking_for_group(self) -> int:
         """Other replicas of this stage whose matchmaking declaration (hivemind's group key,
@@ -266,7 +250,7 @@ class OuterProcess:
 
     # ---- a round ---------------------------------------------------------------------
 
-    def run_round(self, tokens: int) -> RoundResult | RoundFailed:
+    def run_round(self, tokens: int, attested: Link | None = None) -> RoundResult | RoundFailed:
         t0 = time.monotonic()
         if self.state is None:
             return RoundFailed(error="no state: call set_state or fetch_state first")
@@ -274,8 +258,10 @@ class OuterProcess:
         delta = base.theta_g - self.snap
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
         rebased = False
-        if self.best_known_round() > base.round:  # we missed rounds: rebase first
-            rebased = self.download(self.cfg.state_timeout_s, min_round=base.round)
+        if attested is not None and attested[0] > base.round:  # we missed rounds: rebase
+            rebased = self.download(self.cfg.state_timeout_s, min_round=base.round, want=attested)
+            if not rebased:
+                log.warning("could not download the attested state of round %d", attested[0])
         st = self.state
         assert st is not None
         with self.averager.get_tensors() as tensors:

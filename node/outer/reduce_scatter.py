@@ -20,7 +20,6 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
@@ -48,7 +47,9 @@ from node.outer.wire import decode_tensor
 
 log = logging.getLogger(__name__)
 
-DIAL_RETRY_S = 0.1  # first pause before a failed dial to a groupmate is retried (s)
+PUSH_RETRY_S = 0.1  # first pause before a push whose transport failed is resent (s)
+PUSH_SETUP_S = 1.0  # the most one push attempt may take to be answered, plus its bytes' time (s)
+PUSH_FLOOR_BPS = 1e6  # the slowest transfer a push attempt allows for (bytes/s)
 
 
 class _Round:
@@ -378,8 +379,11 @@ class ReduceScatterRounds(GroupRoundHost):
         until: float,
     ) -> bool:
         """Send one header and compressed part to `peer`; True once it acknowledged it.
-        A dial that fails (the p2p daemon may not have routed to a groupmate it never met
-        yet) is retried with back-off until `until` (monotonic s); nothing was sent then."""
+        A transport failure (a dial that fails because the p2p daemon has no route to a
+        groupmate yet, a stream reset before the reply, or an attempt that stalls past
+        `attempt_s`) is retried with back-off until `until` (monotonic s): the receiver
+        acknowledges a copy of what it already holds, so a resend never counts twice.
+        A refusal (any reply but ACCEPTED) is final."""
 
         async def requests() -> AsyncIterator[averaging_pb2.AveragingData]:
             yield averaging_pb2.AveragingData(
@@ -390,27 +394,30 @@ class ReduceScatterRounds(GroupRoundHost):
                     code=averaging_pb2.PART_FOR_AVERAGING, tensor_part=chunk
                 )
 
-        pause = DIAL_RETRY_S
+        size = len(msg.buffer) if msg is not None else 0
+        attempt_s = PUSH_SETUP_S + size / PUSH_FLOOR_BPS
+        pause = PUSH_RETRY_S
         while True:
             try:
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
-                left = max(0.1, until - time.monotonic())
+                left = max(0.1, min(until - time.monotonic(), attempt_s))
                 reply = await stub.rpc_push_part(requests(), timeout=left)
-                if reply.code != averaging_pb2.ACCEPTED:
-                    raise RuntimeError(f"answered {averaging_pb2.MessageCode.Name(reply.code)}")
-                rnd.bytes_out += len(msg.buffer) if msg is not None else 0
-                return True
             except asyncio.CancelledError:
                 raise
-            except ControlFailure as exc:  # the dial failed: nothing left this member
+            except Exception as exc:  # the transport failed; the receiver may hold a copy
                 if time.monotonic() + pause >= until:
                     log.warning("push to %s failed: %r", peer, exc)
                     return False
+                log.info("push to %s failed (%r); resending", peer, exc)
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 1.0)
-            except Exception as exc:
-                log.warning("push to %s failed: %r", peer, exc)
+                continue
+            if reply.code != averaging_pb2.ACCEPTED:
+                code = averaging_pb2.MessageCode.Name(reply.code)
+                log.warning("push to %s refused: answered %s", peer, code)
                 return False
+            rnd.bytes_out += size
+            return True
 
     async def rpc_push_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -436,13 +443,9 @@ class ReduceScatterRounds(GroupRoundHost):
                 ok, store = rnd.audit == (rnd.me, j), rnd.audits
             else:
                 ok, store = j == i and j != rnd.me, None
-            if (
-                not ok
-                or (store is not None and sender in store)
-                or j in rnd.reduced
-                and store is None
-            ):
+            if not ok:
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            held = store.get(sender) if store is not None else rnd.reduced.get(j)
             limit = 4 * (b - a) + 4096  # bytes: fp32 with no codec, plus a codebook
             chunks: list[runtime_pb2.Tensor] = []
             size = 0
@@ -461,6 +464,12 @@ class ReduceScatterRounds(GroupRoundHost):
                     )
                 if not bool(torch.isfinite(tensor).all()) and store is None:
                     raise ValueError(f"{sender} sent a reduced part with non-finite values")
+            if held is not None:  # a resend: acknowledged when it is the copy we hold
+                was = _digest_of(held[0]) if held[0] is not None else None
+                now = _digest_of(whole) if whole is not None else None
+                if was != now or (store is None and held[-1] != header.manifest):
+                    raise ValueError(f"{sender} sent other bytes for part {j} than before")
+                return averaging_pb2.AveragingData(code=averaging_pb2.ACCEPTED)
             if store is not None:
                 if header.kind == "contrib" and rnd.reducing:  # too late: never acknowledged
                     return averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)

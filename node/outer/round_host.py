@@ -48,12 +48,15 @@ class GroupRoundHost:
         event.clear()
 
     async def _dial_group(self, gathered: dict[PeerID, dict[str, Any]], timeout: float) -> None:
-        """Dial every groupmate at the addresses it announced in its gathered metadata,
-        for up to `timeout` (s). The p2p daemon keeps only a few bootstrap connections and
-        finds other peers through its DHT, which may not know a groupmate yet (a dial then
-        fails with "routing: not found", or hangs); a groupmate already connected costs
-        nothing. Addresses are a member's own claim: a dial proves the peer id (Noise),
-        and one that fails costs only that member's pushes."""
+        """Dial the groupmates whose peer ids sort after ours at the addresses they
+        announced in their gathered metadata, for up to `timeout` (s). The p2p daemon
+        keeps only a few bootstrap connections and finds other peers through its DHT,
+        which may not know a groupmate yet (a dial then fails with "routing: not found",
+        or hangs); a groupmate already connected costs nothing. One side of each pair
+        dials: when both did at once, a push sometimes stalled or lost its reply on a
+        connection the daemons were replacing (`_push` resends those). Addresses are a
+        member's own claim: a dial proves the peer id (Noise), and one that fails costs
+        only that member's pushes."""
 
         async def dial(peer: PeerID, addrs: list[str]) -> None:
             try:
@@ -63,7 +66,11 @@ class GroupRoundHost:
                 log.info("dialing %s at its announced addresses failed: %r", peer, exc)
 
         await asyncio.gather(
-            *(dial(p, g["addrs"]) for p, g in gathered.items() if p != self.peer_id and g["addrs"])
+            *(
+                dial(p, g["addrs"])
+                for p, g in gathered.items()
+                if p.to_bytes() > self.peer_id.to_bytes() and g["addrs"]
+            )
         )
 
     async def _registered_round(

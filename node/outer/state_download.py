@@ -7,11 +7,13 @@ every message and stops past `expected_bytes(numel)` (the tensors' own bytes plu
 `STATE_SLACK_BYTES`), checks each tensor's header (dtype, codec, size) before its bytes
 are decoded, and checks the whole (two tensors, a round, finite values) at the end.
 Anything else raises `ValueError`: the caller refuses that source and tries the next.
-Imports hivemind: never import it from the stage process.
+`state_digest` names a state as replicas and the coordinator do. Imports hivemind: never
+import it from the stage process.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -23,6 +25,15 @@ from hivemind.utils.streaming import combine_from_streaming
 STATE_TENSORS = 2  # theta_g and m
 STATE_SLACK_BYTES = 1024 * 1024  # bytes beyond the tensors: metadata, protobuf framing
 MAX_METADATA_BYTES = 64 * 1024  # bytes of the serialized metadata map
+
+
+def state_digest(rnd: int, theta_g: torch.Tensor, m: torch.Tensor) -> str:
+    """The digest of the state (round, theta_g, m): blake2b of its bytes, 16 hex chars."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(rnd.to_bytes(8, "little"))
+    h.update(theta_g.contiguous().numpy().tobytes())
+    h.update(m.contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def expected_bytes(numel: int) -> int:

@@ -8,7 +8,9 @@ Attacks (`--attack`):
   although it acknowledged the others', and says so in its manifest: every honest member
   whose contribution it acknowledged catches it (`own_entry_finding`);
 - `scaled_delta`, `nan_delta`: it contributes its pseudo-gradient times 100, or with NaNs;
-- `inflated_claims`: it claims round 2**62 and 10**15 tokens in its gathered metadata.
+- `inflated_claims`: it claims round 2**62 and 10**15 tokens in its gathered metadata;
+- `state_takeover`: once it holds a state, it declares state-sharing priority 2**62 in
+  the DHT and serves a forged state of round 2**62 to whoever downloads one.
 
 This module imports hivemind only through `node.outer` and never imports libp2p: it runs
 as an outer-loop process.
@@ -22,16 +24,42 @@ import signal
 import sys
 from typing import Any
 
-ATTACKS = ("freeze_in_group", "own_part_only", "scaled_delta", "nan_delta", "inflated_claims")
+ATTACKS = (
+    "freeze_in_group", "own_part_only", "scaled_delta", "nan_delta", "inflated_claims",
+    "state_takeover",
+)  # fmt: skip
+FORGED_ROUND = 2**62  # the round `state_takeover` declares and serves
 
 
 def rogue_averager(attack: str) -> Any:
     """The `StageAverager` subclass that runs `attack`."""
+    import torch
+
     from node.outer.averager import StageAverager
+    from node.outer.state_download import state_digest
 
     class Rogue(StageAverager):
         _rpc_handlers = None  # collect this class's rpc_* handlers (the same as the base's)
         _stub_type = None
+
+        @property
+        def state_sharing_priority(self) -> float:
+            return float(StageAverager.state_sharing_priority.fget(self))
+
+        @state_sharing_priority.setter
+        def state_sharing_priority(self, value: float) -> None:
+            if attack == "state_takeover":
+                value = float(FORGED_ROUND)
+            StageAverager.state_sharing_priority.fset(self, value)
+
+        def get_current_state(self) -> Any:
+            meta, tensors, infos = super().get_current_state()
+            if attack == "state_takeover" and len(tensors) == 2:
+                forged = [torch.full_like(tensors[0], 1e3), torch.zeros_like(tensors[1])]
+                digest = state_digest(FORGED_ROUND, *forged)
+                meta = {"round": FORGED_ROUND, "digest": digest, "lineage": []}
+                return meta, forged, infos
+            return meta, tensors, infos
 
         async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
             if attack == "freeze_in_group":

@@ -1,0 +1,150 @@
+"""Attested global states (coordinator.attest): the newest state a majority of a stage's
+reporting replicas hold or held, never one a minority claims alone; and through the real
+`Service` on a real SQLite file: heartbeats report states, replies name the stage's
+attested state, and a member that leaves no longer counts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from coordinator_harness import SHARD_TOKENS, CountingStore, small_dataset
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordinator.attest import Attestations, newest_majority
+from coordinator.config import CoordinatorConfig
+from coordinator.dataset import load_dataset
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.server import build_state
+from coordinator.service import Service
+from protocol import control as c
+from protocol.codec import encode
+from protocol.identity import NodeKey
+from protocol.signing import sign_request
+
+RUN = "attest-run"
+ALL = {"a", "b", "c", "d", "e"}
+
+
+def test_a_lone_replica_attests_its_own_state() -> None:
+    att = Attestations()
+    att.report("a", 0, (3, "aa"))
+    assert att.attested(0, ALL) == (3, "aa")
+    assert att.attested(1, ALL) is None
+
+
+def test_a_minority_claiming_a_higher_round_is_not_attested() -> None:
+    att = Attestations()
+    att.report("a", 0, (5, "aa"))
+    att.report("b", 0, (5, "aa"))
+    att.report("c", 0, (2**62, "ff"))
+    assert att.attested(0, ALL) == (5, "aa")
+    att.report("c", 0, (5, "ee"))  # the attested round, with another digest
+    assert att.attested(0, ALL) == (5, "aa") and att.disagreeing == 1
+
+
+def test_a_replica_that_stepped_on_still_vouches_for_the_state_it_left() -> None:
+    att = Attestations()
+    for p in "abc":
+        att.report(p, 0, (4, "44"))
+    att.report("a", 0, (5, "55"))
+    assert att.attested(0, ALL) == (4, "44")  # only a holds round 5
+    att.report("b", 0, (5, "55"))
+    assert att.attested(0, ALL) == (5, "55")
+    att.report("a", 0, (6, "66"))  # a alone again: round 5 is still held by a majority
+    att.report("b", 0, (6, "67"))  # a and b disagree on round 6
+    assert att.attested(0, ALL) == (5, "55")
+
+
+def test_the_last_attested_state_stays_while_none_has_a_majority() -> None:
+    att = Attestations(history=1)
+    att.report("a", 0, (1, "11"))
+    att.report("b", 0, (1, "11"))
+    assert att.attested(0, ALL) == (1, "11")
+    att.report("a", 0, (2, "2a"))
+    att.report("b", 0, (2, "2b"))
+    assert att.attested(0, ALL) == (1, "11")
+
+
+def test_replicas_that_left_or_moved_no_longer_count() -> None:
+    att = Attestations()
+    att.report("a", 0, (7, "77"))
+    att.report("b", 0, (7, "77"))
+    att.report("c", 0, (8, "88"))
+    assert att.attested(0, ALL) == (7, "77")
+    att.forget("a")
+    att.report("b", 1, (0, "00"))  # b now serves stage 1
+    assert att.attested(0, ALL) == (8, "88")  # c is the stage's only replica
+    assert att.attested(1, ALL) == (0, "00")
+    att.report("d", 0, (9, "99"))
+    assert att.attested(0, {"d"}) == (9, "99")  # c is not live any more: d alone
+
+
+states = st.tuples(st.integers(0, 6), st.sampled_from(["aa", "bb", "cc"]))
+
+
+@given(st.lists(st.lists(states, min_size=1, max_size=4), min_size=1, max_size=7))
+def test_the_attested_state_is_held_by_a_majority_and_none_newer_is(
+    histories: list[list[tuple[int, str]]],
+) -> None:
+    found = newest_majority(histories)
+    holders = {s: sum(s in h for h in histories) for h in histories for s in h}
+    majority = [s for s, n in holders.items() if 2 * n > len(histories)]
+    if found is None:
+        assert not majority
+    else:
+        assert 2 * holders[found] > len(histories)
+        assert all(s[0] <= found[0] for s in majority)
+
+
+# --- through the real Service ---------------------------------------------------------
+
+
+def service(tmp: Path) -> Service:
+    cfg = CoordinatorConfig(
+        run_id=RUN, dataset=str(small_dataset(tmp)), shard_tokens=SHARD_TOKENS,
+        db=str(tmp / "unused.sqlite"), token_cache="", n_stages=2,
+    )  # fmt: skip
+    manifest, corpus = load_dataset(cfg)
+    journal, membership, book, paused = build_state(
+        cfg, CountingStore(tmp / "c.sqlite"), manifest, time.time()
+    )
+    return Service(
+        cfg, manifest=manifest, corpus=corpus, journal=journal, membership=membership,
+        book=book, metrics=CoordinatorMetrics(), paused=paused,
+    )  # fmt: skip
+
+
+def call(svc: Service, key: NodeKey, body: object) -> object:
+    raw = encode(sign_request(key, body, now=svc.started, run=RUN))  # type: ignore[arg-type]
+    return svc.handle(raw, "127.0.0.1", svc.started).reply
+
+
+def beat(svc: Service, key: NodeKey, state: tuple[int, str] | None) -> c.HeartbeatReply:
+    ref = c.StateRef(round=state[0], digest=state[1]) if state is not None else None
+    reply = call(svc, key, c.HeartbeatRequest(state=ref))
+    assert isinstance(reply, c.HeartbeatReply), reply
+    return reply
+
+
+def test_heartbeats_report_states_and_replies_name_the_attested_one(tmp_path: Path) -> None:
+    svc = service(tmp_path)
+    keys = [NodeKey.generate() for _ in range(3)]
+    for key in keys:
+        joined = call(svc, key, c.JoinRequest(stage=1))
+        assert isinstance(joined, c.JoinReply) and joined.stage == 1, joined
+    honest, rogue = keys[:2], keys[2]
+    assert beat(svc, honest[0], None).attested is None
+    got = beat(svc, honest[0], (3, "abc0"))
+    assert got.attested == c.StateRef(round=3, digest="abc0")  # the only reporter
+    beat(svc, rogue, (2**62, "ffff"))
+    got = beat(svc, honest[1], (3, "abc0"))
+    assert got.attested == c.StateRef(round=3, digest="abc0")
+    assert beat(svc, rogue, (2**62, "ffff")).attested == got.attested
+    status = svc.status(svc.started)
+    assert status.stages[1].attested == got.attested and status.stages[0].attested is None
+    # the honest replicas leave: the rogue is the stage's only replica, and attests alone
+    for key in honest:
+        assert isinstance(call(svc, key, c.LeaveRequest()), c.OkReply)
+    assert beat(svc, rogue, (2**62, "ffff")).attested == c.StateRef(round=2**62, digest="ffff")

@@ -1,0 +1,68 @@
+"""Attested states against a state takeover, in real outer processes on loopback: a rogue
+replica (`swarmlab.chaos.rogue_outer --attack state_takeover`) declares DHT sharing
+priority 2**62 and serves a forged state of that round. A joiner given the stage's
+attested (round, digest) downloads exactly that state, and a replica beginning a round
+rebases onto the attested state only: never onto the rogue's. Without an attested state a
+joiner takes the rogue's (what coordinator attestation closes)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+
+from node.outer_link import OuterConfig, OuterLink
+from swarmlab.chaos.rogue_outer import FORGED_ROUND
+
+N = 2000
+CFG = OuterConfig(
+    compression="fp16", matchmaking_s=1.5, request_timeout_s=1.0, round_timeout_s=4.0,
+    state_timeout_s=10.0, target_group_size=4,
+)  # fmt: skip
+DECLARE_S = 5.0  # the averager re-declares its sharing priority this often (s)
+
+
+def start(
+    links: list[OuterLink], env: dict[str, str], run: str, peers: list[str], attack: str = ""
+) -> OuterLink:
+    entry = ("-m", "swarmlab.chaos.rogue_outer", "--attack", attack) if attack else None
+    link = OuterLink.start(
+        run_id=run, stage=0, numel=N, initial_peers=peers, config=CFG, env=env,
+        **({"entry": entry} if entry else {}),
+    )  # fmt: skip
+    links.append(link)
+    return link
+
+
+def test_attested_states_are_taken_and_a_forged_one_is_not(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    a = start(links, child_env, run, [])
+    theta0 = torch.randn(N, generator=torch.Generator().manual_seed(0))
+    a.set_initial_state([theta0])
+    attested = (0, a.digest)
+    rogue = start(links, child_env, run, a.dht_addrs(), attack="state_takeover")
+    assert rogue.fetch_state(timeout=15, attested=attested) == 0  # it now "holds" a state
+    boot = a.dht_addrs() + rogue.dht_addrs()
+    time.sleep(DECLARE_S + 1.0)  # the rogue's priority 2**62 is in the DHT
+
+    joiner = start(links, child_env, run, boot)
+    assert joiner.fetch_state(timeout=15, attested=attested) == 0
+    assert joiner.digest == a.digest and torch.equal(joiner.theta_g(), theta0)
+
+    # the attack, without attestation: the highest declared priority wins
+    naive = start(links, child_env, run, boot)
+    assert naive.fetch_state(timeout=15) == FORGED_ROUND
+    assert torch.equal(naive.theta_g(), torch.full((N,), 1e3))
+
+    # A steps alone to round 1; the coordinator attests it (as for a lone replica)
+    a.begin_round([theta0 * 0.99], 100, attested=attested)
+    ra = a.wait_result(30)
+    assert ra.applied and ra.round == 1 and not ra.rebased, ra
+    # the joiner, behind, rebases onto A's state: the attested one, not the rogue's
+    joiner.begin_round([theta0], 0, attested=(ra.round, ra.digest))
+    rj = joiner.wait_result(40)
+    assert rj.rebased and rj.round >= 1 and joiner.round < FORGED_ROUND, rj
+    assert rj.lineage[0] == (0, attested[1]) and (1, ra.digest) in rj.lineage, rj.lineage
