@@ -103,6 +103,17 @@ class CoordinatorMetrics:
         )
         for kind in ("lost", "duplicated"):
             self.audit_problems.labels(kind).set(0)
+        self.attested_round = Gauge(
+            "agora_coordinator_attested_round",
+            "Outer round of each stage's attested state (-1: none yet)",
+            ["stage"],
+            registry=r,
+        )
+        self.disagreeing_states = Gauge(
+            "agora_coordinator_disagreeing_state_reports",
+            "State reports of an attested round with another digest, since start",
+            registry=r,
+        )
         self.group_commits = Counter(
             "agora_coordinator_group_commits_total", "SQLite write transactions", registry=r
         )

@@ -317,6 +317,9 @@ class CoordinatorServer:
         for s in range(self.cfg.n_stages):
             m.peers.labels(str(s)).set(counts[s])
             m.stage_throughput.labels(str(s)).set(rates[s] * svc.membership.stage_costs[s])
+            attested = svc.attested(s)
+            m.attested_round.labels(str(s)).set(attested.round if attested else -1)
+        m.disagreeing_states.set(svc.attest.disagreeing)
         for state, n in svc.book.counts().items():
             m.leases.labels(state).set(n)
         m.active_leases.set(len(svc.book.active))

@@ -1,11 +1,12 @@
 """The readable view of a run's `StatusReply` that `agora status` shows.
 
-`view` renders stages, peers, throughput, leases, data progress and ETA with rich (and
-the fingerprint of the certificate the status came over); `watch` keeps one screen
-refreshed every `interval_s` seconds (rich Live) for people without Grafana; a failed
-fetch shows the error and the last good view, and Ctrl-C exits cleanly. The command
-itself, which connects, is `swarmlab.status` (clients of the control plane share
-`node.control_tls`, which the coordinator package may not import). Torch-free.
+`view` renders stages (with each one's attested state), peers, throughput, leases, data
+progress and ETA with rich (and the fingerprint of the certificate the status came over);
+`watch` keeps one screen refreshed every `interval_s` seconds (rich Live) for people
+without Grafana; a failed fetch shows the error and the last good view, and Ctrl-C exits
+cleanly. The command itself, which connects, is `swarmlab.status` (clients of the
+control plane share `node.control_tls`, which the coordinator package may not import).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ def view(st: StatusReply, fingerprint: str = "") -> Group:
         f"  uptime {_duration(st.uptime_s)}" + ("  [red]PAUSED[/]" if st.paused else "")
     )
     stages = Table(title="stages")
-    for col in ("stage", "peers", "throughput (tok/s)", "cost"):
+    for col in ("stage", "peers", "throughput (tok/s)", "cost", "attested state"):
         stages.add_column(col, justify="right")
     for s in st.stages:
-        stages.add_row(str(s.stage), str(s.peers), f"{s.throughput:,.0f}", f"{s.cost:g}")
+        att = f"round {s.attested.round} {s.attested.digest[:8]}" if s.attested else "-"
+        stages.add_row(str(s.stage), str(s.peers), f"{s.throughput:,.0f}", f"{s.cost:g}", att)
     leases = Table(title=f"data epoch {st.data_epoch}")
     leases.add_column("what")
     leases.add_column("count", justify="right")

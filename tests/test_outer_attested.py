@@ -1,9 +1,10 @@
 """Attested states against a state takeover, in real outer processes on loopback: a rogue
 replica (`swarmlab.chaos.rogue_outer --attack state_takeover`) declares DHT sharing
 priority 2**62 and serves a forged state of that round. A joiner given the stage's
-attested (round, digest) downloads exactly that state, and a replica beginning a round
-rebases onto the attested state only: never onto the rogue's. Without an attested state a
-joiner takes the rogue's (what coordinator attestation closes)."""
+attested (round, digest) downloads exactly that state, a replica beginning a round
+rebases onto the attested state only, and a member behind its group takes the stepped
+state from the group's holders: never the rogue's. Without an attested state a joiner
+takes the rogue's (what coordinator attestation closes)."""
 
 from __future__ import annotations
 
@@ -61,8 +62,22 @@ def test_attested_states_are_taken_and_a_forged_one_is_not(
     a.begin_round([theta0 * 0.99], 100, attested=attested)
     ra = a.wait_result(30)
     assert ra.applied and ra.round == 1 and not ra.rebased, ra
-    # the joiner, behind, rebases onto A's state: the attested one, not the rogue's
-    joiner.begin_round([theta0], 0, attested=(ra.round, ra.digest))
-    rj = joiner.wait_result(40)
-    assert rj.rebased and rj.round >= 1 and joiner.round < FORGED_ROUND, rj
-    assert rj.lineage[0] == (0, attested[1]) and (1, ra.digest) in rj.lineage, rj.lineage
+    # the naive replica, behind, rebases onto A's state: the attested one, not its own
+    # forged one nor the rogue's
+    naive.begin_round([theta0], 0, attested=(ra.round, ra.digest))
+    rn = naive.wait_result(40)
+    assert rn.rebased and rn.round >= 1 and naive.round < FORGED_ROUND, rn
+    assert (1, ra.digest) in rn.lineage, rn.lineage
+
+    # In a group with A the joiner, behind (round 0), is not at the group's canonical
+    # state: it takes the state A stepped to from A, the state's holder in the group,
+    # never from the rogue that declares the highest priority.
+    for _ in range(3):  # a group forms when both matchmake at once
+        a.begin_round([a.theta_g() * 0.99], 100)
+        joiner.begin_round([joiner.theta_g() * 0.99], 100)
+        ra2, rj2 = a.wait_result(40), joiner.wait_result(40)
+        if ra2.group_size == 2:
+            break
+    assert ra2.group_size == 2 and ra2.applied, ra2
+    assert rj2.rebased and rj2.digest == ra2.digest and rj2.round == ra2.round, rj2
+    assert torch.equal(joiner.theta_g(), a.theta_g())

@@ -118,7 +118,10 @@ def test_a_member_frozen_mid_round_leaves_the_survivors_identical(
     anything: its contributions never arrive (its parts are reduced without it) and its
     own part's reduced bytes never come (that part gets no update on both survivors)."""
     members, theta0, (ra, rb) = grouped_round(
-        links, child_env, {2: "freeze_in_group"}, lambda rs: any(r.rejected for r in rs)
+        links,
+        child_env,
+        {2: "freeze_in_group"},
+        lambda rs: all(r.group_size == 2 and r.rejected for r in rs),
     )
     a, b, _c = members
     assert ra.applied and rb.applied and ra.round == rb.round == 1, (ra, rb)

@@ -98,12 +98,16 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
     # ---- state downloads (run in the averager process) ----------------------------------
 
     def load_state(
-        self, timeout: float, want: tuple[int, str] | None = None
+        self,
+        timeout: float,
+        want: tuple[int, str] | None = None,
+        sources: list[str] | None = None,
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """hivemind's `load_state_from_peers`, run by our `_load_state_from_peers`: with
-        `want`, only a state of that (round, digest) is taken."""
+        `want`, only a state of that (round, digest) is taken; with `sources` (base58
+        peer ids), only those replicas are asked."""
         future: MPFuture = MPFuture()
-        call = {"timeout": timeout, "future": future, "want": want}
+        call = {"timeout": timeout, "future": future, "want": want, "sources": sources}
         self._outer_pipe.send(("_load_state_from_peers", [], call))
         return future.result(timeout=timeout)  # type: ignore[no-any-return]
 
@@ -112,10 +116,11 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         future: MPFuture,
         timeout: float | None = None,
         want: tuple[int, str] | None = None,
+        sources: list[str] | None = None,
     ) -> None:
         """The valid state of the first source, by sharing priority, that sends one; with
         `want`, sources that declare its round go first, and a state of another round or
-        digest is refused."""
+        digest is refused; with `sources`, no other replica is asked."""
         try:
             wait = self.next_chunk_timeout or self.request_timeout  # s between two messages
             found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers",
@@ -128,6 +133,9 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
                         priority[PeerID(key)] = (float(info.value), random.random())
                     except Exception:  # a key that is no peer id: that entry is skipped
                         continue
+            if sources is not None:
+                allowed = set(sources)
+                priority = {p: v for p, v in priority.items() if p.to_base58() in allowed}
             if want is not None:  # who declares the wanted round first
                 priority = {p: (float(v[0] == want[0]), *v) for p, v in priority.items()}
             for peer in sorted(priority, key=priority.__getitem__, reverse=True):

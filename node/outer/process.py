@@ -7,10 +7,12 @@ reply; tensors travel through the three shared /dev/shm buffers the link created
 A round: compute `delta = theta_g - snapshot`; rebase first when the stage's attested
 state (coordinator.attest: the newest state a majority of the stage's replicas reported,
 passed in `Begin`) is newer than ours, downloading exactly that state; all-gather with whoever forms a group before `matchmaking_s` (alone
-otherwise); apply elastic Nesterov when this replica holds the group's canonical state,
-or adopt the state of a canonical groupmate when it does not. A group with nothing to
-average (no contribution had tokens) still settles the canonical state: its holder keeps
-it, the others adopt it. Replicas stay bitwise
+otherwise); apply elastic Nesterov when this replica holds the group's canonical state
+(the state most members hold; among equally held ones the attested state, then the newest
+round), or adopt the stepped state from a groupmate that held it when it does not. A
+group with nothing to average (no contribution had tokens) still settles the canonical
+state: its holders keep it, the others download it from them. State is downloaded from
+the group's holders only, never from whoever declares the highest DHT priority. Replicas stay bitwise
 identical because each decodes the same compressed bytes in the same order.
 """
 
@@ -210,13 +212,21 @@ class OuterProcess:
         self.averager.allow_state_sharing = True
         self.averager.state_sharing_priority = float(state.round)
 
-    def download(self, timeout: float, min_round: int, want: Link | None = None) -> bool:
-        """Adopt the state of the most advanced replica that shares it (by DHT priority);
-        with `want`, only the state of that (round, digest)."""
+    def download(
+        self,
+        timeout: float,
+        min_round: int,
+        want: Link | None = None,
+        sources: list[str] | None = None,
+    ) -> bool:
+        """Adopt the state of the most advanced replica that shares it (by DHT priority),
+        of a round above `min_round`; with `want`, only the state of that (round, digest);
+        with `sources` (base58 peer ids), only from those replicas."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                got = self.averager.load_state(max(0.5, deadline - time.monotonic()), want)
+                left = max(0.5, deadline - time.monotonic())
+                got = self.averager.load_state(left, want, sources)
             except TimeoutError:  # the averager is still at it; its sources are bounded
                 got = None
             if got is not None:  # checked by the averager (node.outer.state_download)
@@ -259,7 +269,7 @@ class OuterProcess:
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
         rebased = False
         if attested is not None and attested[0] > base.round:  # we missed rounds: rebase
-            rebased = self.download(self.cfg.state_timeout_s, min_round=base.round, want=attested)
+            rebased = self.download(self.cfg.state_timeout_s, base.round, want=attested)
             if not rebased:
                 log.warning("could not download the attested state of round %d", attested[0])
         st = self.state
@@ -290,7 +300,7 @@ class OuterProcess:
             # out of data whose trained work waits for a group round): it still settles
             # which state is the stage's.
             rejected = {str(k): str(v) for k, v in info["rejected"].items()}
-            applied, rnd, size, rebased_now = self.settle_group_round(info)
+            applied, rnd, size, rebased_now = self.settle_group_round(info, attested)
             rebased = rebased or rebased_now
             eta_r, used, contributed = 0.0, 0, False
         elif not isinstance(info, dict) or not info.get("has_delta"):
@@ -301,7 +311,7 @@ class OuterProcess:
             rejected = {str(k): str(v) for k, v in info["rejected"].items()}
             with self.averager.get_tensors() as tensors:
                 d = tensors[0].clone()
-            applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d)
+            applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d, attested)
             rebased = rebased or adopted
             contributed = applied and self.own_weight(info) > 0.0
         return RoundResult(
@@ -340,32 +350,40 @@ class OuterProcess:
         return float(info["weights"][contributors.index(me)]) if me in contributors else 0.0
 
     @staticmethod
-    def canonical(info: dict[str, Any]) -> tuple[int, str]:
-        """The group's canonical (round, digest): the newest round, the most common digest
-        there (ties: the smallest)."""
+    def canonical(info: dict[str, Any], attested: Link | None = None) -> tuple[Link, list[str]]:
+        """The group's canonical (round, digest) and the members holding it: the state
+        most members hold; among equally held ones the stage's attested state, then the
+        newest round, then the smaller digest."""
         gathered: dict[str, dict[str, Any]] = info["gathered"]
-        head = max(int(g["round"]) for g in gathered.values())
-        at_head = [g["digest"] for g in gathered.values() if int(g["round"]) == head]
-        return head, min(set(at_head), key=lambda dg: (-at_head.count(dg), dg))
+        held = {p: (int(g["round"]), str(g["digest"])) for p, g in gathered.items()}
+        claims = list(held.values())
+        head = max(
+            set(claims),
+            key=lambda s: (claims.count(s), s == attested, s[0], [-ord(ch) for ch in s[1]]),
+        )
+        return head, [p for p, s in held.items() if s == head]
 
-    def settle_group_round(self, info: dict[str, Any]) -> tuple[bool, int, int, bool]:
-        """A group with nothing to average: the holder of its canonical state keeps it (the
-        group settled on it: `applied`, though the state is unchanged), the others adopt
-        it. Returns (applied, round, group size, adopted)."""
-        head, canonical = self.canonical(info)
+    def settle_group_round(
+        self, info: dict[str, Any], attested: Link | None
+    ) -> tuple[bool, int, int, bool]:
+        """A group with nothing to average: the holders of its canonical state keep it
+        (the group settled on it: `applied`, though the state is unchanged), the others
+        download exactly that state from them. Returns (applied, round, size, adopted)."""
+        head, holders = self.canonical(info, attested)
         st = self.state
         assert st is not None
         size = len(info["gathered"])
-        if st.round == head and self.digest == canonical:
+        if (st.round, self.digest) == head:
             return True, st.round, size, False
-        ok = self.download(self.cfg.state_timeout_s, min_round=head - 1)
+        ok = self.download(self.cfg.state_timeout_s, head[0] - 1, want=head, sources=holders)
         return ok, self.state.round if self.state else -1, size, ok
 
     def finish_group_round(
-        self, info: dict[str, Any], d: torch.Tensor
+        self, info: dict[str, Any], d: torch.Tensor, attested: Link | None
     ) -> tuple[bool, int, float, int, int, bool]:
-        """Step when holding the group's canonical (round, digest); adopt it otherwise."""
-        head, canonical = self.canonical(info)
+        """Step when holding the group's canonical (round, digest); otherwise adopt the
+        state a holder stepped to."""
+        head, holders = self.canonical(info, attested)
         st = self.state
         assert st is not None
         tokens = int(info["tokens"])
@@ -376,7 +394,7 @@ class OuterProcess:
             self.cfg.diloco.target_tokens,
             self.cfg.diloco.participation_power,
         )
-        if st.round == head and self.digest == canonical:
+        if (st.round, self.digest) == head:
             new = OuterState(theta_g=st.theta_g.clone(), m=st.m.clone(), round=st.round + 1)
             nesterov_step(new, d, eta_r, self.cfg.diloco.mu)
             self.adopt(new, self.lineage)
@@ -384,7 +402,7 @@ class OuterProcess:
         log.info(
             "state (round %d) is not the group's canonical one (round %d); adopting it",
             st.round,
-            head,
+            head[0],
         )
-        ok = self.download(self.cfg.state_timeout_s, min_round=head)
+        ok = self.download(self.cfg.state_timeout_s, head[0], sources=holders)
         return ok, self.state.round if self.state else -1, eta_r, tokens, size, ok
