@@ -6,8 +6,11 @@ The exporter is a short-lived member of the run:
    data-plane streams, while the coordinator never places, routes to or leases it;
 2. it reads the membership view and, for each stage, asks every replica for the first
    chunk of its global state over `/agora/state/1` (protocol.state), each with a
-   deadline; the replica with the newest outer round is the source, the others are
-   fallbacks should it fail mid-download;
+   deadline; the source is a replica serving the stage's attested round (the
+   coordinator's `StatusReply.stages[...].attested`: the state a majority of the stage's
+   replicas reported), the others are fallbacks should it fail or lie; the exporter also
+   downloads that copy's momentum and checks the state's digest against the attested
+   one. A stage with nothing attested yet takes the newest round served, unchecked;
 3. it downloads the stage's flat state chunk by chunk (starting again when the served
    round or copy changes between chunks), leaves the run, and reuses the checkpoint
    path's assembly (node.export_assembly): the flat vector is cut per parameter in
@@ -43,9 +46,10 @@ from node.export_assembly import Assembled, ExportError, assemble, write_lineage
 from node.model import ModelConfig, build_stage, run_model_config, save_export
 from node.p2p.host import Libp2pTransport
 from node.p2p.transport import P2PConfig, RequestRefused, TransportError
-from protocol.control import JoinReply, JoinRequest, PeerInfo, RunInfo
+from protocol.control import JoinReply, JoinRequest, PeerInfo, RunInfo, StateRef
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
+from protocol.lineage import state_digest
 from protocol.pinning import CoordinatorAddress, PinMismatch, parse_address
 from protocol.state import CHUNK_ELEMENTS, STATE_PROTOCOL, StateChunk, StateRequest
 
@@ -132,12 +136,18 @@ class _Fetcher:
         self.progress = progress
 
     async def ask(
-        self, peer: PeerInfo, stage: int, offset: int, count: int | None = None
+        self,
+        peer: PeerInfo,
+        stage: int,
+        offset: int,
+        count: int | None = None,
+        momentum: bool = False,
     ) -> StateChunk:
-        """One chunk from `peer`; refusals that may pass (not yet a member there, rate)
-        are retried until `member_wait_s`."""
+        """One chunk from `peer` (of theta_g, or of m with `momentum`); refusals that may
+        pass (not yet a member there, rate) are retried until `member_wait_s`."""
         give_up = trio.current_time() + self.opts.member_wait_s
-        req = StateRequest(stage=stage, offset=offset, count=count or self.opts.chunk_elements)
+        count = count or self.opts.chunk_elements
+        req = StateRequest(stage=stage, offset=offset, count=count, momentum=momentum)
         while True:
             try:
                 reply = await self.transport.request(
@@ -194,9 +204,24 @@ class _Fetcher:
         return sorted(got, key=lambda cp: (-cp[0].round, cp[1].peer_id)), errors
 
     async def download(
-        self, stage: int, layout: StageLayout, replicas: list[PeerInfo]
+        self,
+        stage: int,
+        layout: StageLayout,
+        replicas: list[PeerInfo],
+        want: StateRef | None = None,
     ) -> StageState:
+        """The stage's state from the replica with the newest round; with `want` (the
+        stage's attested state), from a replica serving that round whose state's digest
+        (theta_g and m downloaded) is the attested one."""
         candidates, errors = await self.probe(stage, replicas)
+        if want is not None:
+            rounds = sorted({first.round for first, _ in candidates})
+            candidates = [(first, peer) for first, peer in candidates if first.round == want.round]
+            if not candidates:
+                raise LiveExportError(
+                    f"no replica of stage {stage} serves its attested round {want.round} now"
+                    f" (they serve rounds {rounds})"
+                )
         for first, peer in candidates:
             try:
                 if first.numel != layout.numel:
@@ -205,7 +230,10 @@ class _Fetcher:
                         f" the {self.run.model_preset} model has {layout.numel}",
                         peer_id=peer.peer_id,
                     )
-                return await self._download_from(stage, peer, first)
+                got, version = await self._download_from(stage, peer, first)
+                if want is not None:
+                    await self._check(stage, peer, got, version, want)
+                return got
             except (TransportError, ProtocolError) as exc:
                 errors[peer.peer_id] = str(exc)
                 log.warning("export: stage %d from %s failed: %s", stage, peer.peer_id, exc)
@@ -214,17 +242,42 @@ class _Fetcher:
             f"no replica of stage {stage} delivered its state ({len(replicas)} tried): {detail}"
         )
 
-    async def _download_from(self, stage: int, peer: PeerInfo, first: StateChunk) -> StageState:
+    async def _check(
+        self, stage: int, peer: PeerInfo, got: StageState, version: int, want: StateRef
+    ) -> None:
+        """Download the momentum of the copy `got` came from and check that the state's
+        digest (`protocol.lineage.state_digest`) is the attested one."""
+        first = await self.ask(peer, stage, 0, momentum=True)
+        m, m_version = await self._download_from(stage, peer, first, momentum=True)
+        if (m.round, m_version) != (got.round, version):
+            raise TransportError(
+                f"peer {peer.peer_id} moved on from round {got.round} during the download",
+                peer_id=peer.peer_id,
+            )
+        digest = state_digest(got.round, got.flat.numpy().data, m.flat.numpy().data)
+        if (got.round, digest) != (want.round, want.digest):
+            raise TransportError(
+                f"peer {peer.peer_id} served round {got.round} with digest {digest}, not the"
+                f" stage's attested state (round {want.round}, digest {want.digest})",
+                peer_id=peer.peer_id,
+            )
+
+    async def _download_from(
+        self, stage: int, peer: PeerInfo, first: StateChunk, momentum: bool = False
+    ) -> tuple[StageState, int]:
+        """The served copy's theta_g (or m, with `momentum`) and the copy's version."""
         flat = torch.empty(first.numel, dtype=torch.float32)
         out = flat.numpy()
         chunk = first
         restarts = 0
         while True:
             out[chunk.offset : chunk.end] = chunk.values()
-            self.progress(stage, chunk.end, first.numel, first.round, peer.peer_id)
+            if not momentum:
+                self.progress(stage, chunk.end, first.numel, first.round, peer.peer_id)
             if chunk.end >= first.numel:
-                return StageState(stage=stage, round=first.round, peer_id=peer.peer_id, flat=flat)
-            chunk = await self.ask(peer, stage, chunk.end)
+                got = StageState(stage=stage, round=first.round, peer_id=peer.peer_id, flat=flat)
+                return got, first.version
+            chunk = await self.ask(peer, stage, chunk.end, momentum=momentum)
             if (chunk.round, chunk.version, chunk.numel) != (
                 first.round,
                 first.version,
@@ -241,7 +294,7 @@ class _Fetcher:
                     "export: stage %d moved from round %d to %d mid-download; starting again",
                     stage, first.round, chunk.round,
                 )  # fmt: skip
-                first = chunk = await self.ask(peer, stage, 0)
+                first = chunk = await self.ask(peer, stage, 0, momentum=momentum)
                 flat = torch.empty(first.numel, dtype=torch.float32)
                 out = flat.numpy()
 
@@ -359,8 +412,36 @@ async def _fetch_stages(
     states: dict[int, StageState] = {}
     for stage in range(run.n_stages):
         layout = stage_layout(config, stage, run.n_stages)
-        states[stage] = await fetcher.download(stage, layout, replicas[stage])
+        states[stage] = await _fetch_attested(client, fetcher, stage, layout, replicas[stage])
     return states
+
+
+async def _fetch_attested(
+    client: CoordinatorClient,
+    fetcher: _Fetcher,
+    stage: int,
+    layout: StageLayout,
+    replicas: list[PeerInfo],
+) -> StageState:
+    """The stage's attested state (`StatusReply.stages[stage].attested`), asking the
+    coordinator again when the replicas moved on from it (up to `MAX_RESTARTS` times);
+    the newest round any replica serves, unchecked, when the stage has none attested."""
+    for attempt in range(MAX_RESTARTS + 1):
+        status = await client.status()
+        want = next((s.attested for s in status.stages if s.stage == stage), None)
+        if want is None:
+            log.warning(
+                "export: stage %d has no attested state; taking the newest round a replica"
+                " serves, unchecked", stage,
+            )  # fmt: skip
+        try:
+            return await fetcher.download(stage, layout, replicas, want)
+        except LiveExportError as exc:
+            if want is None or attempt == MAX_RESTARTS:
+                raise
+            log.info("export: stage %d: %s; asking the coordinator again", stage, exc)
+            await trio.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 # --- assembling -----------------------------------------------------------------------------

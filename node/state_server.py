@@ -9,7 +9,8 @@ What is served:
 - With an outer loop: `theta_g` as of the last applied round. The node calls
   `hold(state)` with the `GlobalState` the outer loop hands out when its state is loaded
   and after every applied round: a private copy, so it is one round's state, never half
-  of one.
+  of one. Its outer momentum `m` is served too (`StateRequest.momentum`), so a client can
+  check the state's digest against the stage's attested one.
 - Without an outer loop (`outer_every_steps = 0`): the stage's current parameters at
   round 0, copied on the worker when a client asks for offset 0 and the held copy is
   older than `refresh_s` (a new copy gets a new `version`, which tells a client that is
@@ -48,6 +49,7 @@ NOT_READY_RETRY_S = 2.0  # seconds a client is told to wait when there is no sta
 @dataclass(frozen=True, slots=True)
 class HeldState:
     flat: torch.Tensor  # fp32, 1-D, a private copy
+    momentum: torch.Tensor | None  # fp32, 1-D, a private copy (None: no outer loop)
     round: int
     version: int
     taken_at: float  # monotonic seconds
@@ -83,18 +85,19 @@ class StateServer:
         self.held: HeldState | None = None
         self.served_chunks = 0
 
-    def _hold(self, flat: torch.Tensor, round_: int) -> None:
+    def _hold(self, flat: torch.Tensor, momentum: torch.Tensor | None, round_: int) -> None:
         self.held = HeldState(
-            flat=flat, round=round_, version=secrets.randbits(62), taken_at=time.monotonic()
-        )
+            flat=flat, momentum=momentum, round=round_, version=secrets.randbits(62),
+            taken_at=time.monotonic(),
+        )  # fmt: skip
 
     def hold(self, state: GlobalState) -> None:
         """Serve `state` (a private copy, never written again) from now on."""
-        self._hold(state.theta_g, state.round)
+        self._hold(state.theta_g, state.momentum, state.round)
 
     async def _refresh_params(self) -> None:
         flat = await self.worker.run(_flat_copy, list(self._params()))
-        self._hold(flat, 0)
+        self._hold(flat, None, 0)
 
     async def handle(self, peer_id: str, msg: Message) -> Message:
         if not isinstance(msg, StateRequest):
@@ -115,11 +118,14 @@ class StateServer:
                 retry_after=NOT_READY_RETRY_S,
                 detail="no global state yet: the outer loop is starting",
             )
-        numel = int(held.flat.numel())
+        flat = held.momentum if msg.momentum else held.flat
+        if flat is None:
+            return Refused(reason="internal", detail="no outer momentum: no outer loop here")
+        numel = int(flat.numel())
         if msg.offset >= numel:
             raise ProtocolError(f"offset {msg.offset} is past the state's {numel} elements")
         end = min(numel, msg.offset + min(msg.count, self.max_elements))
-        data = TensorFrame.from_numpy(held.flat[msg.offset : end].numpy())
+        data = TensorFrame.from_numpy(flat[msg.offset : end].numpy())
         self.served_chunks += 1
         if msg.offset == 0:
             log.info(

@@ -8,12 +8,14 @@ outer-process contract), is written into checkpoints and exports, and is what
 `agora audit --export` checks stage 0's committed ranges against.
 
 A chain holds at most `MAX_LINEAGE` entries, the newest ones: rounds strictly rising,
-digests lowercase hex of at most `MAX_DIGEST_CHARS` characters. This module is pure: it
-validates plain data (msgpack or JSON values) and raises `ProtocolError`.
+digests lowercase hex of at most `MAX_DIGEST_CHARS` characters (`state_digest` makes
+them). This module is pure: it validates plain data (msgpack or JSON values) and raises
+`ProtocolError`.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from protocol.control import MAX_DIGEST_CHARS, digest_problem
@@ -59,3 +61,13 @@ def extend(chain: list[Link], rnd: int, digest: str) -> list[Link]:
 
 def to_plain(chain: list[Link]) -> list[list[Any]]:
     return [[r, d] for r, d in chain]
+
+
+def state_digest(rnd: int, theta_g: memoryview | bytes, m: memoryview | bytes) -> str:
+    """The digest naming a stage's global state: blake2b (8 bytes, 16 hex characters) of
+    its round (8 bytes, little-endian) and the fp32 bytes of theta_g, then of m."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(rnd.to_bytes(8, "little"))
+    h.update(theta_g)
+    h.update(m)
+    return h.hexdigest()

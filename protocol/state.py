@@ -2,7 +2,8 @@
 
 A member of the run (an `agora export` observer, for one) asks a replica of a stage for
 its global state `theta_g`: the flat fp32 vector of the stage's parameters in
-`model.parameters()` order (the outer loop's layout, node.checkpoint `split_flat`).
+`model.parameters()` order (the outer loop's layout, node.checkpoint `split_flat`), and
+the outer momentum `m` in the same layout when it checks the state's digest.
 
     StateRequest(stage, offset, count) -> StateChunk(run_id, stage, round, version,
                                                      numel, offset, data)
@@ -36,11 +37,14 @@ MAX_NUMEL = 2**40  # elements in one stage's state, a sanity bound
 
 @message("state.get", version=1)
 class StateRequest(Message):
-    """Elements `[offset, offset + count)` of the stage's global state."""
+    """Elements `[offset, offset + count)` of the stage's global state: of `theta_g`, or
+    with `momentum` of the outer momentum `m` of the same served copy (so a client can
+    check the state's digest, `protocol.lineage.state_digest`, against an attested one)."""
 
     stage: int = bounded(ge=0, le=1023)
     offset: int = bounded(ge=0, le=MAX_NUMEL)
     count: int = bounded(ge=1, le=MAX_CHUNK_ELEMENTS)
+    momentum: bool = False
 
 
 @message("state.chunk", version=1)

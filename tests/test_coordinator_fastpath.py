@@ -161,6 +161,8 @@ def heartbeat_reply_wire(r: c.HeartbeatReply) -> dict[str, Any]:
         "t": "heartbeat.reply", "v": 1, "stage": r.stage, "moved": r.moved, "drain": r.drain,
         "paused": r.paused, "renewed": refs[0], "fenced": refs[1], "expires_at": r.expires_at,
         "membership_version": r.membership_version, "data_epoch": r.data_epoch, "freed": r.freed,
+        "attested": None if r.attested is None
+        else {"round": r.attested.round, "digest": r.attested.digest},
     }  # fmt: skip
 
 
@@ -169,6 +171,11 @@ def _framed(wire: dict[str, Any]) -> bytes:
     return bytes(HEADER.pack(len(payload)) + payload)
 
 
+state_refs = st.none() | st.builds(
+    c.StateRef,
+    round=st.integers(min_value=0, max_value=2**62),
+    digest=st.text(alphabet="0123456789abcdef", min_size=1, max_size=64),
+)
 refs = st.lists(
     st.builds(
         c.LeaseRef,
@@ -193,6 +200,7 @@ refs = st.lists(
         membership_version=st.integers(min_value=0, max_value=2**63 - 1),
         data_epoch=st.integers(min_value=0, max_value=2**31),
         freed=st.integers(min_value=0, max_value=2**31),
+        attested=state_refs,
     )
 )
 def test_heartbeat_reply_frames_are_byte_identical(reply: c.HeartbeatReply) -> None:
@@ -222,6 +230,7 @@ replies = st.one_of(
         leases=refs,
         throughput=st.none() | st.floats(min_value=0, max_value=1e12),
         dht_addrs=st.none() | st.just(["/ip4/10.0.0.1/tcp/4001"]),
+        state=state_refs,
     ),
 )
 

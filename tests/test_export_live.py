@@ -25,7 +25,7 @@ from node.checkpoint import GlobalState
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
 from node.data import load_dataset
 from node.export import main as export_main
-from node.export_live import LiveOptions, StageLayout, StageState, _Fetcher
+from node.export_live import LiveExportError, LiveOptions, StageLayout, StageState, _Fetcher
 from node.model import build_stage, load_export
 from node.p2p.host import Libp2pTransport
 from node.p2p.transport import P2PConfig
@@ -33,6 +33,7 @@ from node.state_server import StateServer
 from node.worker import TorchWorker
 from protocol import control as c
 from protocol.identity import NodeKey
+from protocol.lineage import state_digest
 from protocol.state import STATE_PROTOCOL
 from swarmlab.coordinator import start_coordinator
 from swarmlab.procs import child_env, wait_for
@@ -300,6 +301,68 @@ def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() 
     assert got.round == 6 and got.peer_id == transports[1].peer_id
     assert got.flat.tolist() == [6.0 * i for i in range(n)]
     assert seen[0] == (1, 5) and seen[-1] == (n, 6), seen  # the probe asks one element
+
+
+def test_download_takes_the_attested_state_and_refuses_forged_ones() -> None:
+    """Four replicas serve over real py-libp2p streams: the honest one the stage's
+    attested state (round 5), two forgers round 5 with other weights or other momentum,
+    one round 9. The client takes only the attested round, downloads theta_g and m, and
+    keeps the replica whose state's digest is the attested one."""
+    n = 12
+    worker = TorchWorker()
+    run = c.RunInfo(
+        run_id="r1", model_preset="tiny", n_stages=2, codec="subspace_int8", seed=0,
+        heartbeat_interval_s=1.0, lease_ttl_s=10.0, dataset_name="d", dataset_hash="0" * 64,
+        shards=1, data_epoch=0,
+    )  # fmt: skip
+    theta, m = torch.arange(n, dtype=torch.float32), torch.full((n,), 0.5)
+    served = [
+        GlobalState(theta_g=theta.clone(), momentum=m.clone(), round=5),
+        GlobalState(theta_g=theta * 2, momentum=m.clone(), round=5),
+        GlobalState(theta_g=theta.clone(), momentum=m * 3, round=5),
+        GlobalState(theta_g=theta * 9, momentum=m.clone(), round=9),
+    ]
+    want = c.StateRef(round=5, digest=state_digest(5, theta.numpy().data, m.numpy().data))
+    client_key = NodeKey.generate()
+    servers, transports = [], []
+    for state in served:
+        t = Libp2pTransport(NodeKey.generate(), P2PConfig())
+        srv = StateServer(
+            worker, run_id="r1", stage=lambda: 1, params=list, outer=True, max_frame=4096 + 16
+        )
+        t.set_handler(STATE_PROTOCOL, srv.handle)
+        t.set_membership(lambda peer: peer == client_key.peer_id)
+        srv.hold(state)
+        servers.append(srv)
+        transports.append(t)
+    opts = LiveOptions(request_timeout_s=5.0, member_wait_s=5.0, chunk_elements=4)
+    layout = StageLayout(names=["w"], shapes=[torch.Size([n])])
+
+    async def main() -> StageState:
+        async with trio.open_nursery() as nursery:
+            for t in transports:
+                await nursery.start(_run_transport, t)
+            client = Libp2pTransport(client_key, P2PConfig(listen=[]))
+            await nursery.start(_run_transport, client)
+            replicas = [
+                c.PeerInfo(peer_id=t.peer_id, stage=1, addrs=t.listen_addrs, device="cpu",
+                           throughput=0.0)
+                for t in transports
+            ]  # fmt: skip
+            fetcher = _Fetcher(client, run, opts, lambda *_: None)
+            got = await fetcher.download(1, layout, replicas, want)
+            with pytest.raises(LiveExportError, match="attested round 7"):
+                await fetcher.download(1, layout, replicas, c.StateRef(round=7, digest="ab"))
+            nursery.cancel_scope.cancel()
+        return got
+
+    try:
+        got = trio.run(main)
+    finally:
+        worker.close()
+    assert got.round == 5 and got.peer_id == transports[0].peer_id
+    assert torch.equal(got.flat, theta)
+    assert servers[3].served_chunks == 2  # the round-9 forger: probed twice, never downloaded
 
 
 async def _run_transport(t: Libp2pTransport, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -13,7 +13,6 @@ import it from the stage process.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -22,18 +21,16 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 
+from protocol.lineage import state_digest as lineage_digest
+
 STATE_TENSORS = 2  # theta_g and m
 STATE_SLACK_BYTES = 1024 * 1024  # bytes beyond the tensors: metadata, protobuf framing
 MAX_METADATA_BYTES = 64 * 1024  # bytes of the serialized metadata map
 
 
 def state_digest(rnd: int, theta_g: torch.Tensor, m: torch.Tensor) -> str:
-    """The digest of the state (round, theta_g, m): blake2b of its bytes, 16 hex chars."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(rnd.to_bytes(8, "little"))
-    h.update(theta_g.contiguous().numpy().tobytes())
-    h.update(m.contiguous().numpy().tobytes())
-    return h.hexdigest()
+    """`protocol.lineage.state_digest` of the state (round, theta_g, m)."""
+    return lineage_digest(rnd, theta_g.contiguous().numpy().data, m.contiguous().numpy().data)
 
 
 def expected_bytes(numel: int) -> int:
