@@ -69,10 +69,6 @@ class Attestations:
                 self._attested[stage] = found
         return self._attested.get(stage)
 
-    def stale(self, stage: int) -> None:
-        """Recount `stage` at the next `attested` (its live replicas changed)."""
-        self._dirty.add(stage)
-
 
 class LiveOn:
     """The live replicas of one stage, as a container of peer ids: `live` maps a peer id

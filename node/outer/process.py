@@ -6,14 +6,15 @@ reply; tensors travel through the three shared /dev/shm buffers the link created
 
 A round: compute `delta = theta_g - snapshot`; rebase first when the stage's attested
 state (coordinator.attest: the newest state a majority of the stage's replicas reported,
-passed in `Begin`) is newer than ours, downloading exactly that state; all-gather with whoever forms a group before `matchmaking_s` (alone
-otherwise); apply elastic Nesterov when this replica holds the group's canonical state
-(the state most members hold; among equally held ones the attested state, then the newest
-round), or adopt the stepped state from a groupmate that held it when it does not. A
-group with nothing to average (no contribution had tokens) still settles the canonical
-state: its holders keep it, the others download it from them. State is downloaded from
-the group's holders only, never from whoever declares the highest DHT priority. Replicas stay bitwise
-identical because each decodes the same compressed bytes in the same order.
+passed in `Begin`) is newer than ours, downloading exactly that state; average with
+whoever forms a group before `matchmaking_s` (alone otherwise); apply elastic Nesterov
+when this replica holds the group's canonical state (the state most members hold; among
+equally held ones the attested state, then the newest round), or adopt the stepped state
+from a groupmate that held it when it does not. A group with nothing to average (no
+contribution had tokens) still settles the canonical state: its holders keep it, the
+others download it from them. State is downloaded from the group's holders only, never
+from whoever declares the highest DHT priority. Replicas stay bitwise identical because
+each decodes the same compressed bytes in the same order.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ from protocol.lineage import Link, check_lineage, extend, to_plain
 log = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 60.0  # the link sends Init right after starting this process (s)
+# a rebase that cannot get the attested state (its holders moved on) in this long gives
+# up until the next round, which carries a newer attested state (s)
+REBASE_TIMEOUT_S = 10.0
 
 
 def digest(state: OuterState) -> str:
@@ -269,7 +273,8 @@ class OuterProcess:
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
         rebased = False
         if attested is not None and attested[0] > base.round:  # we missed rounds: rebase
-            rebased = self.download(self.cfg.state_timeout_s, base.round, want=attested)
+            wait = min(self.cfg.state_timeout_s, REBASE_TIMEOUT_S)
+            rebased = self.download(wait, base.round, want=attested)
             if not rebased:
                 log.warning("could not download the attested state of round %d", attested[0])
         st = self.state
