@@ -20,7 +20,10 @@ batches the central run is evaluated on. Each gap is `100 (swarm - central) / ce
 the JSON has each seed's gap and their mean with a two-sided 95 % Student t interval.
 The traffic numbers come from the nodes' Prometheus metrics (the last scrape of a killed
 node counts): `outer_bytes` is the sum of `agora_node_outer_bytes_total` (pseudo-gradient
-bytes sent), `ddp_equivalent_bytes` what a ring all-reduce of fp32 gradients at every
+bytes sent), `outer_state_bytes` of the global-state bytes the outer processes served to
+joining, rebasing and adopting replicas (`agora_node_outer_state_bytes_total`, out),
+`outer_bytes_total` both (DHT and matchmaking messages are not counted),
+`ddp_equivalent_bytes` what a ring all-reduce of fp32 gradients at every
 inner step would have sent for the same inner steps (each replica sends
 `2 (R-1)/R x 4 x numel(stage)` bytes per step, R replicas).
 """
@@ -62,8 +65,10 @@ REPLICAS = 2
 CODEC = "subspace_int4"
 STDLIB = "stdlib"
 SWARM_RUNS = (("swarm", False), ("churn", True))  # JSON key, churn
+STATE_OUT = 'agora_node_outer_state_bytes_total{direction="out"}'
 SCRAPED = (
     "agora_node_outer_bytes_total",
+    STATE_OUT,
     "agora_node_tokens_total",
     "agora_node_outer_steps_total",
 )
@@ -143,6 +148,7 @@ class SwarmRun:
     tokens_committed: int
     tokens_trained: int  # stage-0 tokens through the pipeline (re-trained ones included)
     outer_bytes: float
+    outer_state_bytes: float  # global-state bytes served to other replicas
     inner_steps: dict[int, float]  # stage -> inner steps summed over its replicas
     outer_rounds: float  # outer steps applied, summed over nodes
     seconds: float
@@ -288,6 +294,7 @@ def run_swarm(
         tokens_committed=committed,
         tokens_trained=_stage0_trained(swarm, last),
         outer_bytes=sum(m["agora_node_outer_bytes_total"] for m in last.values()),
+        outer_state_bytes=sum(m[STATE_OUT] for m in last.values()),
         inner_steps=steps,
         outer_rounds=sum(m["agora_node_outer_steps_total"] for m in last.values()),
         seconds=seconds,
@@ -310,13 +317,16 @@ def ddp_bytes(preset_name: str, seed: int, inner_steps: dict[int, float]) -> flo
 
 def _swarm_json(args: argparse.Namespace, r: SwarmRun, seed: int) -> dict[str, Any]:
     ddp = ddp_bytes(args.preset, seed, r.inner_steps)
+    total = r.outer_bytes + r.outer_state_bytes
     return {
         "eval_loss": r.eval_loss,
         "tokens_committed": r.tokens_committed,
         "tokens_trained": r.tokens_trained,
         "outer_bytes": r.outer_bytes,
+        "outer_state_bytes": r.outer_state_bytes,
+        "outer_bytes_total": total,
         "ddp_equivalent_bytes": ddp,
-        "traffic_ratio": ddp / r.outer_bytes if r.outer_bytes else None,
+        "traffic_ratio": ddp / total if total else None,
         "outer_rounds": r.outer_rounds,
         "seconds": round(r.seconds, 1),
         "audit_clean": r.audit_clean,
@@ -485,7 +495,7 @@ def _table(out: dict[str, Any]) -> None:
     )
     print(
         f"{'seed':<6}{'run':<8}{'tokens':>10}{'central':>10}{'swarm':>9}{'gap %':>9}"
-        f"{'outer MB':>10}{'DDP MB':>10}"
+        f"{'outer MB':>10}{'state MB':>10}{'DDP MB':>10}"
     )
     for row in out["runs"]:
         for key, _ in SWARM_RUNS:
@@ -496,7 +506,8 @@ def _table(out: dict[str, Any]) -> None:
                 f"{row['seed']:<6}{key:<8}{r['tokens_committed']:>10,}"
                 f"{f(r.get('eval_loss_central')):>10}{f(r['eval_loss']):>9}"
                 f"{f(r.get('gap_pct'), '{:+.2f}'):>9}"
-                f"{_mb(r['outer_bytes']):>10}{_mb(r['ddp_equivalent_bytes']):>10}"
+                f"{_mb(r['outer_bytes']):>10}{_mb(r.get('outer_state_bytes', 0.0)):>10}"
+                f"{_mb(r['ddp_equivalent_bytes']):>10}"
             )
         if "central" in row and not any(k in row for k, _ in SWARM_RUNS):
             for c, ref in row["central"]["at"].items():

@@ -5,21 +5,35 @@ Each replica reports the global state it holds, `(round, digest)`, in its heartb
 reports. A state is attested when more than half of the stage's reporting replicas hold it
 now or held it among those reports (a replica that stepped on from a state vouched for
 it); the stage's attested state is the newest such state among its live replicas, and
-the last one found stays while no state has a majority. Joiners, replicas that rebase and the live export take only that state, so a
-minority of a stage's replicas cannot hand the others a state of their own by claiming a
-higher round. A lone replica attests its own state. Soft state, like heartbeats: a
-restarted coordinator rebuilds it from the next reports.
+the last one found stays while no state has a majority. Joiners, replicas that rebase and
+the live export take only that state, so a minority of a stage's replicas cannot hand the
+others a state of their own by claiming a higher round. A lone replica attests its own
+state. Soft state, like heartbeats: a restarted coordinator rebuilds it from the next
+reports.
+
+Cost: a report updates per-stage counts of how many replicas hold each state (O(HISTORY));
+the attested state is recounted at most once per change of the stage, over its distinct
+states and its replicas (to drop those no longer live), not over every report.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 HISTORY = 8  # distinct states kept per replica (newest last)
 
 State = tuple[int, str]  # (outer round, digest)
+
+
+@dataclass
+class _Stage:
+    held: dict[str, deque[State]] = field(default_factory=dict)  # replica -> its states
+    counts: Counter[State] = field(default_factory=Counter)  # state -> replicas holding it
+    attested: State | None = None
+    dirty: bool = False
 
 
 class Attestations:
@@ -29,45 +43,62 @@ class Attestations:
         if history < 1:
             raise ValueError(f"history must be >= 1, got {history}")
         self.history = history
-        self._held: dict[int, dict[str, deque[State]]] = {}  # stage -> peer -> states
+        self._stages: dict[int, _Stage] = {}
         self._stage_of: dict[str, int] = {}
-        self._attested: dict[int, State] = {}
-        self._dirty: set[int] = set()
         self.disagreeing = 0  # reports of an attested round with another digest
 
     def report(self, peer_id: str, stage: int, state: State) -> None:
         """`peer_id`, a replica of `stage`, holds `state` now."""
-        was = self._stage_of.get(peer_id)
-        if was is not None and was != stage:
+        if self._stage_of.get(peer_id, stage) != stage:
             self.forget(peer_id)
-        held = self._held.setdefault(stage, {}).setdefault(peer_id, deque(maxlen=self.history))
-        self._stage_of[peer_id] = stage
-        if held and held[-1] == state:
+        st = self._stages.setdefault(stage, _Stage())
+        held = st.held.get(peer_id)
+        if held is None:
+            held = st.held[peer_id] = deque()
+            self._stage_of[peer_id] = stage
+        elif held[-1] == state:
             return
+        if state in held:  # back to a state it held: it moves to the newest place
+            held.remove(state)
+        else:
+            st.counts[state] += 1
+            if len(held) == self.history:
+                _drop(st.counts, held.popleft())
         held.append(state)
-        self._dirty.add(stage)
-        known = self._attested.get(stage)
-        if known is not None and known[0] == state[0] and known[1] != state[1]:
+        st.dirty = True
+        if st.attested is not None and st.attested[0] == state[0] and st.attested != state:
             self.disagreeing += 1
 
     def forget(self, peer_id: str) -> None:
-        """`peer_id` left its stage (it left the run, lapsed, or moved)."""
+        """`peer_id` left its stage (it left the run, lapsed, was banned, or moved)."""
         stage = self._stage_of.pop(peer_id, None)
-        if stage is not None and self._held.get(stage, {}).pop(peer_id, None) is not None:
-            self._dirty.add(stage)
+        st = self._stages.get(stage) if stage is not None else None
+        held = st.held.pop(peer_id, None) if st is not None else None
+        if st is not None and held is not None:
+            for state in held:
+                _drop(st.counts, state)
+            st.dirty = True
 
     def attested(self, stage: int, live: Container[str]) -> State | None:
         """The stage's attested state, counting only the replicas in `live` (a peer that
         is no longer a live replica of the stage is forgotten here)."""
-        if stage in self._dirty:
-            self._dirty.discard(stage)
-            held = self._held.get(stage, {})
-            for gone in [p for p in held if p not in live]:
+        st = self._stages.get(stage)
+        if st is None:
+            return None
+        if st.dirty:
+            for gone in [p for p in st.held if p not in live]:
                 self.forget(gone)
-            found = newest_majority(list(held.values()))
+            st.dirty = False
+            found = newest_majority(st.counts, len(st.held))
             if found is not None:
-                self._attested[stage] = found
-        return self._attested.get(stage)
+                st.attested = found
+        return st.attested
+
+
+def _drop(counts: Counter[State], state: State) -> None:
+    counts[state] -= 1
+    if counts[state] <= 0:
+        del counts[state]
 
 
 class LiveOn:
@@ -82,15 +113,10 @@ class LiveOn:
         return peer is not None and peer.stage == self.stage and not peer.observer
 
 
-def newest_majority(histories: list[deque[State]] | list[list[State]]) -> State | None:
-    """The newest state that more than half of `histories` (one per replica) contain;
-    among states of one round, the one most replicas hold, then the smaller digest."""
-    if not histories:
-        return None
-    counts: Counter[State] = Counter()
-    for h in histories:
-        counts.update(set(h))
-    need = len(histories) // 2 + 1
+def newest_majority(counts: Mapping[State, int], replicas: int) -> State | None:
+    """The newest state that more than half of `replicas` hold (`counts`: state -> how
+    many hold it); among states of one round, the one most hold, then the smaller digest."""
+    need = replicas // 2 + 1
     found = [s for s, n in counts.items() if n >= need]
     if not found:
         return None

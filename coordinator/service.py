@@ -487,6 +487,7 @@ class Service:
     def _ban(self, req: c.AdminBan, now: float) -> Message:
         self.book.release_holder(req.peer_id, now, expired=True)
         peer = self.membership.remove(req.peer_id, BANNED)
+        self.attest.forget(req.peer_id)
         if peer is None:  # not live: record the ban anyway
             peer = Peer(req.peer_id, b"", 0, [], [], "", 0.0, None, None, None, False, now, now)
             peer.state = BANNED

@@ -35,6 +35,14 @@ OUTER_ROUND_SECONDS = Histogram(
 )
 OUTER_GROUP_SIZE = Gauge("agora_node_outer_group_size", "Replicas averaged in the last outer round")
 OUTER_BYTES = Counter("agora_node_outer_bytes_total", "Pseudo-gradient bytes sent on the wire")
+OUTER_STATE_BYTES = Counter(
+    "agora_node_outer_state_bytes_total",
+    "Global-state bytes (theta_g and m, fp32) the outer process downloaded from (in) or"
+    " served to (out) other replicas: joins, rebases, adoptions",
+    ["direction"],
+)
+for _direction in ("in", "out"):  # both series exist from the start (scraped as 0)
+    OUTER_STATE_BYTES.labels(_direction)
 STAGE = Gauge("agora_node_stage", "Pipeline stage this node serves")
 DEVICE_PEAK = Gauge(
     "agora_node_device_peak_bytes", "Peak GPU memory the stage allocated (0 on the CPU)"

@@ -6,6 +6,7 @@ attested state, and a member that leaves no longer counts."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 from coordinator_harness import SHARD_TOKENS, CountingStore, small_dataset
@@ -67,6 +68,20 @@ def test_the_last_attested_state_stays_while_none_has_a_majority() -> None:
     assert att.attested(0, ALL) == (1, "11")
 
 
+def test_a_replica_holds_its_last_distinct_states_and_counts_once() -> None:
+    att = Attestations(history=2)
+    for s in [(1, "11"), (2, "22"), (1, "11"), (3, "33")]:  # (1) again: moves to the end
+        att.report("a", 0, s)
+    att.report("b", 0, (1, "11"))
+    att.report("c", 0, (2, "22"))
+    # a holds (1) and (3); b (1); c (2): (1) has 2 of 3
+    assert att.attested(0, ALL) == (1, "11")
+    att.report("a", 0, (4, "44"))  # a drops (1): no state has a majority now
+    assert att.attested(0, ALL) == (1, "11")  # the last attested state stays
+    att.report("b", 0, (3, "33"))
+    assert att.attested(0, ALL) == (3, "33")  # a held it, b holds it
+
+
 def test_replicas_that_left_or_moved_no_longer_count() -> None:
     att = Attestations()
     att.report("a", 0, (7, "77"))
@@ -88,7 +103,7 @@ states = st.tuples(st.integers(0, 6), st.sampled_from(["aa", "bb", "cc"]))
 def test_the_attested_state_is_held_by_a_majority_and_none_newer_is(
     histories: list[list[tuple[int, str]]],
 ) -> None:
-    found = newest_majority(histories)
+    found = newest_majority(Counter(s for h in histories for s in set(h)), len(histories))
     holders = {s: sum(s in h for h in histories) for h in histories for s in h}
     majority = [s for s, n in holders.items() if 2 * n > len(histories)]
     if found is None:

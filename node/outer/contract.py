@@ -27,15 +27,35 @@ and unknown keys, and raises `protocol.errors.ProtocolError` for anything malfor
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
+from node.outer.contract_fields import (
+    MAX_ADDR,
+    MAX_CONTROL_FRAME,
+    MAX_DIGEST,
+    MAX_NUMEL,
+    MAX_PEERS,
+    MAX_STAGE,
+    MAX_TEXT,
+    MAX_WAIT_S,
+    attested_of,
+    bool_of,
+    fields_of,
+    float_of,
+    int_of,
+    lineage_of,
+    path_of,
+    str_of,
+    strs_of,
+    tagged,
+    with_attested,
+)
 from node.outer.settings import COMPRESSIONS, MAX_COUNT, DilocoConfig, OuterConfig
-from protocol.codec import packb, unpackb
+from protocol.codec import packb
 from protocol.errors import ProtocolError
 from protocol.framing import frame
-from protocol.lineage import Link, check_lineage, to_plain
+from protocol.lineage import Link, to_plain
 
 __all__ = [
     "COMMANDS",
@@ -63,17 +83,6 @@ __all__ = [
     "decode_reply",
     "encode",
 ]
-
-MAX_CONTROL_FRAME = 1 << 20  # bytes; control frames are small, tensors go through shared memory
-MAX_NUMEL = 2**40  # elements in one stage's flat state, a sanity bound
-MAX_STAGE = 1023  # highest stage index
-MAX_PEERS = 4096  # entries in a list of multiaddrs, or in a map keyed by peer id
-MAX_ADDR = 1024  # characters in one multiaddr or peer id
-MAX_PATH = 4096  # characters in a shared-memory path
-MAX_TEXT = 4096  # characters in an error message
-MAX_DIGEST = 64  # characters in a state digest
-MAX_WAIT_S = 86_400.0  # longest timeout a command may ask for (s)
-
 
 # --- commands: stage process -> outer-loop process -------------------------------------
 
@@ -107,15 +116,15 @@ class Init:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
-        paths = [_path(d, k, cls) for k in ("snap", "result", "momentum")]
+        d = fields_of(cls, obj)
+        paths = [path_of(d, k, cls) for k in ("snap", "result", "momentum")]
         if len(set(paths)) != 3:
             raise ProtocolError("init: the three shared-memory paths must differ")
         return cls(
-            run_id=_str(d, "run_id", cls, min_len=1, max_len=128),
-            stage=_int(d, "stage", cls, lo=0, hi=MAX_STAGE),
-            numel=_int(d, "numel", cls, lo=1, hi=MAX_NUMEL),
-            initial_peers=_strs(d, "initial_peers", cls),
+            run_id=str_of(d, "run_id", cls, min_len=1, max_len=128),
+            stage=int_of(d, "stage", cls, lo=0, hi=MAX_STAGE),
+            numel=int_of(d, "numel", cls, lo=1, hi=MAX_NUMEL),
+            initial_peers=strs_of(d, "initial_peers", cls),
             snap=paths[0],
             result=paths[1],
             momentum=paths[2],
@@ -142,11 +151,11 @@ class SetState:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
+        d = fields_of(cls, obj)
         return cls(
-            round=_int(d, "round", cls, lo=0, hi=MAX_COUNT),
-            momentum=_bool(d, "momentum"),
-            lineage=_lineage(d, cls),
+            round=int_of(d, "round", cls, lo=0, hi=MAX_COUNT),
+            momentum=bool_of(d, "momentum"),
+            lineage=lineage_of(d, cls),
         )
 
 
@@ -159,13 +168,13 @@ class Fetch:
     attested: Link | None = None  # take only this (round, digest) (None: any valid state)
 
     def to_wire(self) -> dict[str, Any]:
-        return _with_attested({"op": self.OP, "timeout_s": self.timeout_s}, self.attested)
+        return with_attested({"op": self.OP, "timeout_s": self.timeout_s}, self.attested)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj, optional=("attested",))
-        timeout = _float(d, "timeout_s", cls, lo=0.0, hi=MAX_WAIT_S, lo_open=True)
-        return cls(timeout_s=timeout, attested=_attested(d, cls))
+        d = fields_of(cls, obj, optional=("attested",))
+        timeout = float_of(d, "timeout_s", cls, lo=0.0, hi=MAX_WAIT_S, lo_open=True)
+        return cls(timeout_s=timeout, attested=attested_of(d, cls))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,16 +191,16 @@ class Begin:
         out: dict[str, Any] = {"op": self.OP, "tokens": self.tokens}
         if self.target_tokens is not None:
             out["target_tokens"] = self.target_tokens
-        return _with_attested(out, self.attested)
+        return with_attested(out, self.attested)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj, optional=("target_tokens", "attested"))
+        d = fields_of(cls, obj, optional=("target_tokens", "attested"))
         target = None
         if "target_tokens" in d:
-            target = _int(d, "target_tokens", cls, lo=0, hi=MAX_COUNT)
-        tokens = _int(d, "tokens", cls, lo=0, hi=MAX_COUNT)
-        return cls(tokens=tokens, target_tokens=target, attested=_attested(d, cls))
+            target = int_of(d, "target_tokens", cls, lo=0, hi=MAX_COUNT)
+        tokens = int_of(d, "tokens", cls, lo=0, hi=MAX_COUNT)
+        return cls(tokens=tokens, target_tokens=target, attested=attested_of(d, cls))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,7 +214,7 @@ class Stop:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        _fields(cls, obj)
+        fields_of(cls, obj)
         return cls()
 
 
@@ -220,7 +229,7 @@ class Peek:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        _fields(cls, obj)
+        fields_of(cls, obj)
         return cls()
 
 
@@ -240,9 +249,10 @@ class Ready:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
+        d = fields_of(cls, obj)
         return cls(
-            addrs=_strs(d, "addrs", cls), peer_id=_str(d, "peer_id", cls, min_len=1, max_len=256)
+            addrs=strs_of(d, "addrs", cls),
+            peer_id=str_of(d, "peer_id", cls, min_len=1, max_len=256),
         )
 
 
@@ -264,11 +274,11 @@ class StateSet:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
+        d = fields_of(cls, obj)
         return cls(
-            round=_int(d, "round", cls, lo=0, hi=MAX_COUNT),
-            digest=_str(d, "digest", cls, max_len=MAX_DIGEST),
-            lineage=_lineage(d, cls),
+            round=int_of(d, "round", cls, lo=0, hi=MAX_COUNT),
+            digest=str_of(d, "digest", cls, max_len=MAX_DIGEST),
+            lineage=lineage_of(d, cls),
         )
 
 
@@ -292,12 +302,12 @@ class StateFetched:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
+        d = fields_of(cls, obj)
         return cls(
-            ok=_bool(d, "ok"),
-            round=_int(d, "round", cls, lo=-1, hi=MAX_COUNT),
-            digest=_str(d, "digest", cls, max_len=MAX_DIGEST),
-            lineage=_lineage(d, cls),
+            ok=bool_of(d, "ok"),
+            round=int_of(d, "round", cls, lo=-1, hi=MAX_COUNT),
+            digest=str_of(d, "digest", cls, max_len=MAX_DIGEST),
+            lineage=lineage_of(d, cls),
         )
 
 
@@ -322,6 +332,10 @@ class RoundResult:
     bytes_out: int  # pseudo-gradient bytes this replica sent (wire)
     bytes_in: int  # pseudo-gradient bytes it received (wire)
     raw_bytes: int  # fp32 size of one pseudo-gradient
+    # fp32 state bytes (theta_g and m) this replica downloaded from others, and served
+    # to others, since the last result (joins, rebases, adoptions)
+    state_bytes_in: int = 0
+    state_bytes_out: int = 0
     seconds: float  # wall time of the round in the outer process
     rejected: dict[str, str]  # peer -> reason for contributions left out
     digest: str  # blake2b of (round, theta_g, m): equal digests mean bitwise-equal states
@@ -336,7 +350,7 @@ class RoundResult:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
+        d = fields_of(cls, obj)
         rejected = d["rejected"]
         if type(rejected) is not dict or len(rejected) > MAX_PEERS:
             raise ProtocolError(f"result: 'rejected' must be a map of at most {MAX_PEERS} entries")
@@ -344,20 +358,22 @@ class RoundResult:
             if type(k) is not str or type(v) is not str or len(k) > MAX_ADDR or len(v) > MAX_TEXT:
                 raise ProtocolError("result: 'rejected' maps peer ids to reasons (str)")
         return cls(
-            round=_int(d, "round", cls, lo=0, hi=MAX_COUNT),
-            applied=_bool(d, "applied"),
-            contributed=_bool(d, "contributed"),
-            rebased=_bool(d, "rebased"),
-            group_size=_int(d, "group_size", cls, lo=1, hi=MAX_COUNT),
-            tokens=_int(d, "tokens", cls, lo=0, hi=MAX_COUNT),
-            eta_r=_float(d, "eta_r", cls, lo=0.0, hi=1e6),
-            bytes_out=_int(d, "bytes_out", cls, lo=0, hi=MAX_COUNT),
-            bytes_in=_int(d, "bytes_in", cls, lo=0, hi=MAX_COUNT),
-            raw_bytes=_int(d, "raw_bytes", cls, lo=0, hi=MAX_COUNT),
-            seconds=_float(d, "seconds", cls, lo=0.0, hi=MAX_WAIT_S),
+            round=int_of(d, "round", cls, lo=0, hi=MAX_COUNT),
+            applied=bool_of(d, "applied"),
+            contributed=bool_of(d, "contributed"),
+            rebased=bool_of(d, "rebased"),
+            group_size=int_of(d, "group_size", cls, lo=1, hi=MAX_COUNT),
+            tokens=int_of(d, "tokens", cls, lo=0, hi=MAX_COUNT),
+            eta_r=float_of(d, "eta_r", cls, lo=0.0, hi=1e6),
+            bytes_out=int_of(d, "bytes_out", cls, lo=0, hi=MAX_COUNT),
+            bytes_in=int_of(d, "bytes_in", cls, lo=0, hi=MAX_COUNT),
+            raw_bytes=int_of(d, "raw_bytes", cls, lo=0, hi=MAX_COUNT),
+            state_bytes_in=int_of(d, "state_bytes_in", cls, lo=0, hi=MAX_COUNT),
+            state_bytes_out=int_of(d, "state_bytes_out", cls, lo=0, hi=MAX_COUNT),
+            seconds=float_of(d, "seconds", cls, lo=0.0, hi=MAX_WAIT_S),
             rejected=dict(rejected),
-            digest=_str(d, "digest", cls, max_len=MAX_DIGEST),
-            lineage=_lineage(d, cls),
+            digest=str_of(d, "digest", cls, max_len=MAX_DIGEST),
+            lineage=lineage_of(d, cls),
         )
 
 
@@ -373,8 +389,8 @@ class RoundFailed:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
-        return cls(error=_str(d, "error", cls, max_len=MAX_TEXT))
+        d = fields_of(cls, obj)
+        return cls(error=str_of(d, "error", cls, max_len=MAX_TEXT))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -389,8 +405,8 @@ class Peeked:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
-        return cls(waiting=_int(d, "waiting", cls, lo=0, hi=MAX_PEERS))
+        d = fields_of(cls, obj)
+        return cls(waiting=int_of(d, "waiting", cls, lo=0, hi=MAX_PEERS))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -405,8 +421,8 @@ class Fatal:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = _fields(cls, obj)
-        return cls(error=_str(d, "error", cls, max_len=MAX_TEXT))
+        d = fields_of(cls, obj)
+        return cls(error=str_of(d, "error", cls, max_len=MAX_TEXT))
 
 
 Command = Init | SetState | Fetch | Begin | Peek | Stop
@@ -428,7 +444,7 @@ def encode(msg: Command | Reply) -> bytes:
 
 def decode_command(payload: bytes) -> Command:
     """A command from one frame's payload, or `ProtocolError`."""
-    op, obj = _tagged(payload, "command")
+    op, obj = tagged(payload, "command")
     if op not in COMMANDS:
         raise ProtocolError(f"unknown command {op[:64]!r}")
     return COMMANDS[op].from_wire(obj)
@@ -436,112 +452,7 @@ def decode_command(payload: bytes) -> Command:
 
 def decode_reply(payload: bytes) -> Reply:
     """A reply from one frame's payload, or `ProtocolError`."""
-    op, obj = _tagged(payload, "reply")
+    op, obj = tagged(payload, "reply")
     if op not in REPLIES:
         raise ProtocolError(f"unknown reply {op[:64]!r}")
     return REPLIES[op].from_wire(obj)
-
-
-# --- validation helpers: every failure is a ProtocolError ------------------------------
-
-
-def _tagged(payload: bytes, what: str) -> tuple[str, dict[str, Any]]:
-    obj = unpackb(payload, max_size=MAX_CONTROL_FRAME)
-    if type(obj) is not dict or type(obj.get("op")) is not str:
-        raise ProtocolError(f"a {what} must be a map with a string 'op'")
-    return obj["op"], obj
-
-
-def _fields(cls: Any, obj: Any, optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`obj` as a map tagged `cls.OP` holding exactly `cls`'s fields (less `optional`)."""
-    op: str = cls.OP
-    if type(obj) is not dict or obj.get("op") != op:
-        raise ProtocolError(f"expected a map with op {op!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(obj) - names - {"op"}
-    if unknown:
-        raise ProtocolError(f"{op}: unknown keys {sorted(map(str, unknown))[:8]}")
-    missing = names - set(obj) - set(optional)
-    if missing:
-        raise ProtocolError(f"{op}: missing keys {sorted(missing)}")
-    return obj
-
-
-def _where(cls: type) -> str:
-    return str(getattr(cls, "OP", cls.__name__))
-
-
-def _int(d: dict[str, Any], key: str, cls: type, *, lo: int, hi: int) -> int:
-    v = d[key]
-    if type(v) is not int or not lo <= v <= hi:
-        raise ProtocolError(f"{_where(cls)}: {key} must be an int in [{lo}, {hi}]")
-    return v
-
-
-def _float(
-    d: dict[str, Any], key: str, cls: type, *, lo: float, hi: float, lo_open: bool = False
-) -> float:
-    v = _finite(d[key])
-    if v is None:
-        raise ProtocolError(f"{_where(cls)}: {key} must be a finite number")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise ProtocolError(f"{_where(cls)}: {key} = {v} outside its range from {lo} to {hi}")
-    return v
-
-
-def _finite(v: Any) -> float | None:
-    """`v` as a finite float when it is an int or float that is one, else None."""
-    if type(v) is int and -MAX_COUNT <= v <= MAX_COUNT:
-        return float(v)
-    if type(v) is float and math.isfinite(v):
-        return v
-    return None
-
-
-def _bool(d: dict[str, Any], key: str) -> bool:
-    v = d[key]
-    if type(v) is not bool:
-        raise ProtocolError(f"{key} must be a bool")
-    return v
-
-
-def _str(d: dict[str, Any], key: str, cls: type, *, max_len: int, min_len: int = 0) -> str:
-    v = d[key]
-    if type(v) is not str or not min_len <= len(v) <= max_len:
-        raise ProtocolError(f"{_where(cls)}: {key} must be a str of {min_len}-{max_len} chars")
-    return v
-
-
-def _strs(d: dict[str, Any], key: str, cls: type) -> list[str]:
-    v = d[key]
-    if type(v) is not list or len(v) > MAX_PEERS:
-        raise ProtocolError(f"{_where(cls)}: {key} must be a list of at most {MAX_PEERS}")
-    if any(type(x) is not str or not 0 < len(x) <= MAX_ADDR for x in v):
-        raise ProtocolError(f"{_where(cls)}: {key} must hold strs of 1-{MAX_ADDR} chars")
-    return list(v)
-
-
-def _lineage(d: dict[str, Any], cls: type) -> list[Link]:
-    return check_lineage(d["lineage"], f"{_where(cls)}: lineage")
-
-
-def _with_attested(out: dict[str, Any], attested: Link | None) -> dict[str, Any]:
-    if attested is not None:
-        out["attested"] = to_plain([attested])
-    return out
-
-
-def _attested(d: dict[str, Any], cls: type) -> Link | None:
-    if "attested" not in d:
-        return None
-    got = check_lineage(d["attested"], f"{_where(cls)}: attested")
-    if len(got) != 1:
-        raise ProtocolError(f"{_where(cls)}: attested must be one [round, digest] pair")
-    return got[0]
-
-
-def _path(d: dict[str, Any], key: str, cls: type) -> str:
-    v = _str(d, key, cls, min_len=2, max_len=MAX_PATH)
-    if not v.startswith("/") or "\0" in v:
-        raise ProtocolError(f"{_where(cls)}: {key} must be an absolute path")
-    return v

@@ -93,6 +93,10 @@ class OuterProcess:
         self.digest = ""
         self.listen_addrs: list[str] = []  # where this DHT listens (multiaddrs, no /p2p/)
         self.lineage: list[Link] = []  # the chain of `state`, ending with it
+        # fp32 state bytes downloaded from / served to other replicas since the last
+        # round result (served ones counted under `lock`, by the state-sharing thread)
+        self.state_in = 0
+        self.state_out = 0
 
     # ---- socket ----------------------------------------------------------------------
 
@@ -203,6 +207,7 @@ class OuterProcess:
                 return {"round": -1, "digest": "", "lineage": []}, []
             st = self.state
             meta = {"round": st.round, "digest": self.digest, "lineage": to_plain(self.lineage)}
+            self.state_out += 4 * (st.theta_g.numel() + st.m.numel())
             return meta, [st.theta_g.clone(), st.m.clone()]
 
     def adopt(self, state: OuterState, lineage: list[Link]) -> None:
@@ -241,6 +246,7 @@ class OuterProcess:
                     theta_g, m = (t.detach().to(torch.float32).contiguous() for t in tensors)
                     if bool(torch.isfinite(theta_g).all() and torch.isfinite(m).all()):
                         state = OuterState(theta_g=theta_g.clone(), m=m.clone(), round=rnd)
+                        self.state_in += 4 * (theta_g.numel() + m.numel())
                         self.adopt(state, source_lineage(meta))
                         log.info("adopted state of round %d", rnd)
                         return True
@@ -319,6 +325,8 @@ class OuterProcess:
             applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d, attested)
             rebased = rebased or adopted
             contributed = applied and self.own_weight(info) > 0.0
+        with self.lock:
+            state_in, state_out, self.state_in, self.state_out = self.state_in, self.state_out, 0, 0
         return RoundResult(
             round=rnd,
             applied=applied,
@@ -330,6 +338,8 @@ class OuterProcess:
             bytes_out=bytes_out,
             bytes_in=bytes_in,
             raw_bytes=int(delta.numel() * 4),
+            state_bytes_in=state_in,
+            state_bytes_out=state_out,
             seconds=time.monotonic() - t0,
             rejected=rejected,
             digest=self.digest,

@@ -445,7 +445,6 @@ class ReduceScatterRounds(GroupRoundHost):
                 ok, store = j == i and j != rnd.me, None
             if not ok:
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            held = store.get(sender) if store is not None else rnd.reduced.get(j)
             limit = 4 * (b - a) + 4096  # bytes: fp32 with no codec, plus a codebook
             chunks: list[runtime_pb2.Tensor] = []
             size = 0
@@ -464,7 +463,10 @@ class ReduceScatterRounds(GroupRoundHost):
                     )
                 if not bool(torch.isfinite(tensor).all()) and store is None:
                     raise ValueError(f"{sender} sent a reduced part with non-finite values")
-            if held is not None:  # a resend: acknowledged when it is the copy we hold
+            # a resend (an earlier attempt may have arrived while this one streamed):
+            # acknowledged when it is the copy we hold
+            held = store.get(sender) if store is not None else rnd.reduced.get(j)
+            if held is not None:
                 was = _digest_of(held[0]) if held[0] is not None else None
                 now = _digest_of(whole) if whole is not None else None
                 if was != now or (store is None and held[-1] != header.manifest):
