@@ -229,6 +229,20 @@ def main(argv: list[str] | None = None) -> int:
             "compressed_bytes": compressed,
             "measured": rows,
             "model": modelled,
+            # group size -> scheme -> bytes sent + received per replica per round:
+            # measured where a row ran, the model up to --model-up-to
+            "bytes_per_replica_per_round": {
+                str(m["members"]): {s: m[f"{s}_per_compressed"] * compressed for s in AVERAGINGS}
+                for m in modelled
+            },
+            "bytes_per_replica_per_round_measured": {
+                str(r): {
+                    row["scheme"]: row["sent_bytes"] + row["received_bytes"]
+                    for row in rows
+                    if row["members"] == r and "error" not in row
+                }
+                for r in sizes
+            },
             "how": "real outer processes on loopback, one round per (scheme, size); bytes are"
             " each member's RoundResult.bytes_out/bytes_in (tensor payload on the wire),"
             " averaged over the group; model = bench.outer.bytes_model",

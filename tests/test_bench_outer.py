@@ -37,3 +37,9 @@ def test_a_real_run_measures_what_the_model_says(tmp_path: Path) -> None:
         assert row["sent_bytes"] == pytest.approx(row["model_sent_bytes"])
         assert row["received_bytes"] == pytest.approx(row["model_received_bytes"])
     assert got["model"][-1]["members"] == 64
+    flat = got["bytes_per_replica_per_round"]
+    assert flat["64"]["reduce_scatter"] < 4 * got["compressed_bytes"] < flat["4"]["all_gather"]
+    measured = got["bytes_per_replica_per_round_measured"]
+    assert measured["3"]["reduce_scatter"] == pytest.approx(
+        rows[("reduce_scatter", 3)]["sent_bytes"] + rows[("reduce_scatter", 3)]["received_bytes"]
+    )
