@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -324,7 +325,9 @@ class OuterLink:
             raise ValueError(f"params hold {offset} elements, the link {self.numel}")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ask the outer process to leave its group and exit; kill it past `timeout`."""
+        """Ask the outer process to leave its group and exit; past `timeout`, kill its
+        process group (it leads one: its hivemind DHT and averager processes and their
+        p2p daemons would outlive a kill of the process alone)."""
         try:
             if self._proc.poll() is None:
                 try:
@@ -337,7 +340,10 @@ class OuterLink:
                     log.warning(
                         "outer process %d did not stop in %.0fs; killing it", self.pid, timeout
                     )
-                    self._proc.kill()
+                    try:
+                        os.killpg(self.pid, signal.SIGKILL)
+                    except ProcessLookupError:  # no group of that id (or gone): the process
+                        self._proc.kill()
                     self._proc.wait(timeout=timeout)
         finally:
             self._sock.close()
