@@ -70,8 +70,10 @@ def test_attested_states_are_taken_and_a_forged_one_is_not(
     # A served its state to the rogue and the joiner at least (theta_g and m, fp32)
     assert ra.state_bytes_out >= 2 * 8 * N and ra.state_bytes_out % (8 * N) == 0, ra
     # a replica behind (round 0) rebases onto A's state, the attested one, though the
-    # rogue declares round 2**62
-    late = start(links, child_env, run, boot)
+    # rogue declares round 2**62. It bootstraps from every replica, as a node does from
+    # the stage's membership: the joiner, now the only honest holder of round 0, must
+    # be reachable (its daemon's DHT may not have found it yet: "routing: not found").
+    late = start(links, child_env, run, boot + joiner.dht_addrs() + naive.dht_addrs())
     assert late.fetch_state(timeout=15, attested=attested) == 0
     late.begin_round([theta0], 0, attested=(ra.round, ra.digest))
     rl = late.wait_result(40)
