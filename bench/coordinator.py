@@ -64,8 +64,11 @@ ANSWERED = 0.99  # fraction of the offered heartbeats that must be answered (cap
 class Conn:
     """One pipelined connection: replies come back in request order."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cert: str
+    ) -> None:
         self.reader, self.writer = reader, writer
+        self.cert = cert  # the coordinator certificate's fingerprint: requests are bound to it
         self.pending: collections.deque[tuple[float, asyncio.Future[Message] | None, str]] = (
             collections.deque()
         )
@@ -77,7 +80,7 @@ class Conn:
     def send(self, key: NodeKey, body: Message, kind: str, want: bool = False):  # type: ignore[no-untyped-def]
         fut = asyncio.get_running_loop().create_future() if want else None
         self.pending.append((time.perf_counter(), fut, kind))
-        req = sign_request(key, body, now=time.time(), run=RUN_ID)
+        req = sign_request(key, body, now=time.time(), run=RUN_ID, cert=self.cert)
         self.writer.write(frame_message(req))
         return fut
 
@@ -108,8 +111,7 @@ async def worker(
     t_join = time.perf_counter()
     cs = []
     for _ in range(conns):
-        r, w = await open_asyncio(address.host, address.port, address.pin)
-        cs.append(Conn(r, w))
+        cs.append(Conn(*await open_asyncio(address.host, address.port, address.pin)))
     readers = [asyncio.create_task(x.read_loop()) for x in cs]
     joins = []
     for i, k in enumerate(keys):

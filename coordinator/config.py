@@ -124,6 +124,9 @@ class CoordinatorConfig:
     rate_burst: float = 200.0  # request burst per key
     clock_skew_s: float = 60.0  # seconds of signature timestamp tolerance
     verify_threads: int = 2  # threads checking request signatures off the event loop (0: inline)
+    # keys one TLS connection may prove (by a request signed for this certificate) and
+    # then send without a signature check (0: check every request)
+    session_keys: int = 4096
     join_token_file: str | None = None  # file whose first line is the join token
     # facility reports from `agora launch` (coordinator/facilities.py)
     launcher_token: str = dataclasses.field(default="", repr=False)  # empty: reports refused
@@ -240,6 +243,10 @@ class CoordinatorConfig:
         need(
             0 <= self.verify_threads <= 64,
             f"verify_threads must be in [0, 64]: {self.verify_threads}",
+        )
+        need(
+            0 <= self.session_keys <= 1_000_000,
+            f"session_keys must be in [0, 1000000]: {self.session_keys}",
         )
         need(
             not self.launcher_token or len(self.launcher_token) >= 16,

@@ -137,6 +137,7 @@ async def _serve(cfg: CoordinatorConfig, relay: RelayChild | None, events: Path 
         metrics=metrics,
         tokenizer_json=tokenizer.json,
         tls=server_context(tls.cert, tls.key),
+        fingerprint=tls.fingerprint,
     )
     port = await server.start()
     follow = None

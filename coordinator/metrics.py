@@ -74,6 +74,12 @@ class CoordinatorMetrics:
         self.errors = Counter(
             "agora_coordinator_error_replies_total", "Error replies by code", ["code"], registry=r
         )
+        self.session_requests = Counter(
+            "agora_coordinator_session_requests_total",
+            "Requests answered without a signature check: their key had proven itself"
+            " earlier on the same TLS connection (a request bound to this certificate)",
+            registry=r,
+        )
         self.bad_frames = Counter(
             "agora_coordinator_bad_frames_total",
             "Malformed or oversized frames received",

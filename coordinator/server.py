@@ -15,6 +15,13 @@
   everything one read brought in run as one job on a small verify thread pool
   (`verify_threads`; the libsodium and OpenSSL calls release the GIL), so a many-core
   host checks signatures in parallel while the event loop applies the verified requests.
+- A key proves itself on a connection with a request signed for this coordinator's
+  certificate (`SignedRequest.bound`) whose signature verifies and whose nonce is fresh;
+  later requests of that key on that connection skip the signature check (up to
+  `session_keys` keys a connection; replay guard, rate limits and everything else still
+  apply). TLS makes the connection an authenticated channel to whoever proved the key,
+  and the bound signature names this certificate, so a party in the middle that relays
+  a client's requests to us proves nothing: its own connection's requests stay checked.
 - `GroupCommit` writes the journal in one SQLite transaction per cycle on a dedicated
   writer thread; everything changed while a write is in flight goes in the next one.
   A failed write stops the server (fail-stop: memory and disk must never disagree).
@@ -201,9 +208,11 @@ class CoordinatorServer:
         metrics: CoordinatorMetrics | None = None,
         tokenizer_json: bytes = b"",  # the run's tokenizer.json (b"": the byte tokenizer)
         tls: ssl.SSLContext,  # the listener's server context (coordinator.tls.server_context)
+        fingerprint: str,  # `sha256:<hex>` of its certificate: what bound requests name
     ) -> None:
         self.cfg = cfg
         self.tls = tls
+        self.fingerprint = fingerprint
         self.metrics = metrics or CoordinatorMetrics()
         journal, membership, book, paused = build_state(cfg, store, manifest, time.time())
         self.service = Service(
@@ -446,13 +455,19 @@ class CoordinatorServer:
                         )
                     )
             reqs = [e for e in entries if isinstance(e, SignedRequest)]
-            if self._verify_pool is not None and reqs:
+            proven = conn.proven
+            trusted = [r.key in proven for r in reqs]
+            check = [r for r, t in zip(reqs, trusted, strict=True) if not t]
+            if len(check) < len(reqs):
+                m.session_requests.inc(len(reqs) - len(check))
+            if self._verify_pool is not None and check:
                 oks = await asyncio.get_running_loop().run_in_executor(
-                    self._verify_pool, signatures_ok, reqs, self.cfg.run_id
+                    self._verify_pool, signatures_ok, check, self.cfg.run_id, self.fingerprint
                 )
             else:
-                oks = signatures_ok(reqs, self.cfg.run_id)
-            verdicts = iter(oks)
+                oks = signatures_ok(check, self.cfg.run_id, self.fingerprint)
+            checked = iter(oks)
+            verdicts = iter([True if t else next(checked) for t in trusted])
             replies: list[bytes] = []
             methods: list[str] = []
             durable = tail is not None
@@ -461,8 +476,10 @@ class CoordinatorServer:
                 if isinstance(entry, ErrorReply):
                     method, reply, durable = "unknown", entry, True
                 else:
-                    method, reply, must = svc.apply(entry, next(verdicts), host, time.time())
+                    method, reply, must, fresh = svc.apply(entry, next(verdicts), host, time.time())
                     durable = durable or must
+                    if fresh and entry.bound and len(proven) < self.cfg.session_keys:
+                        proven.add(entry.key)
                 if isinstance(reply, ErrorReply):
                     m.errors.labels(reply.code).inc()
                 try:
@@ -495,9 +512,10 @@ class CoordinatorServer:
 class _Conn:
     """One connection's frame decoder and what it holds of the buffer budget."""
 
-    __slots__ = ("charged", "decoder", "frame_started")
+    __slots__ = ("charged", "decoder", "frame_started", "proven")
 
     def __init__(self, decoder: FrameDecoder) -> None:
         self.decoder = decoder
+        self.proven: set[bytes] = set()  # keys that proved themselves on this connection
         self.charged = 0  # bytes of `CoordinatorServer.buffered` this connection holds
         self.frame_started = 0.0  # monotonic seconds: the first byte of the partial frame

@@ -53,6 +53,8 @@ class Answer(NamedTuple):
     reply: Message
     # the reply waits until every change made so far is durable (false: soft, sent at once)
     durable: bool = True
+    # the signature verified and the nonce was fresh: the key sent this very request
+    fresh: bool = False
 
 
 def _err(code: str, detail: str) -> c.ErrorReply:
@@ -136,7 +138,7 @@ class Service:
     def handle(self, payload: bytes, host: str, now: float) -> Answer:
         """Answer one frame payload. Raises `BadFrame`."""
         req = self.open(payload)
-        return self.apply(req, signature_ok(req, self.cfg.run_id), host, now)
+        return self.apply(req, signature_ok(req, self.cfg.run_id, None), host, now)
 
     def open(self, payload: bytes) -> SignedRequest:
         """Decode a frame payload into a signed request (not yet verified); `BadFrame`."""
@@ -166,25 +168,25 @@ class Service:
         try:
             body = self.bodies.decode(req)
         except ProtocolError as exc:
-            return Answer("unknown", _err("bad_request", str(exc)))
+            return Answer("unknown", _err("bad_request", str(exc)), fresh=True)
         method = body.TYPE
         if req.any_run and not isinstance(body, c.StatusRequest):
             return Answer(method, _err(
                 "bad_request", f"only a status request may be signed for no run; sign for run"
                 f" {self.cfg.run_id!r} (StatusReply.run_id)",
-            ))  # fmt: skip
+            ), fresh=True)  # fmt: skip
         try:
             reply = self._dispatch(req.key, body, host, now)
-            return Answer(method, reply, not soft(body, reply))
+            return Answer(method, reply, not soft(body, reply), fresh=True)
         except LeaseError as exc:
             if exc.code == "fenced":
                 self.metrics.fenced.inc()
                 if exc.recorded:
                     self.metrics.fence_records.inc()
-            return Answer(method, _err(exc.code, exc.detail))
+            return Answer(method, _err(exc.code, exc.detail), fresh=True)
         except Exception:  # a bug must not take the server down
             log.exception("internal error handling %s", method)
-            return Answer(method, _err("internal", f"internal error handling {method}"))
+            return Answer(method, _err("internal", f"internal error handling {method}"), fresh=True)
 
     def _dispatch(self, key: bytes, body: Message, host: str, now: float) -> Message:
         if isinstance(body, c.StatusRequest):

@@ -6,8 +6,9 @@
   no honest signer produces). Without PyNaCl it falls back to
   `protocol.identity.verify_signature`. Either way a bad signature raises
   `ProtocolError`.
-- `signature_ok(req, run)` checks a signed request for the coordinator's run (or for
-  no run, where the envelope says so); `signatures_ok` checks a batch, so a verify
+- `signature_ok(req, run, cert)` checks a signed request for the coordinator's run (or
+  for no run, where the envelope says so; a bound one for the coordinator's certificate
+  too); `signatures_ok` checks a batch, so a verify
   thread takes a whole read in one hop. Thread-safe: no shared state.
 - `PeerIds` caches the base58 libp2p peer id of recently seen public keys (bounded),
   because deriving it is pure-Python big-integer work on every request.
@@ -25,7 +26,7 @@ from protocol.identity import (
     peer_id_from_public_key,
     verify_signature,
 )
-from protocol.signing import SignedRequest, request_scope, signed_bytes
+from protocol.signing import SignedRequest, request_signed_bytes
 
 
 def _openssl(key: bytes, sig: bytes, data: bytes) -> None:
@@ -74,18 +75,18 @@ class PeerIds:
         return pid
 
 
-def signature_ok(req: SignedRequest, run: str) -> bool:
+def signature_ok(req: SignedRequest, run: str, cert: str | None) -> bool:
     """Whether the request's signature verifies for `run` (or for no run, where the
-    envelope says so); thread-safe: no shared state. Checked apart from the replay
-    guard so each gets its own error code."""
+    envelope says so) and, for a bound request, for the certificate fingerprint `cert`;
+    thread-safe: no shared state. Checked apart from the replay guard so each gets its
+    own error code."""
     try:
-        raw = signed_bytes(req.key, req.ts, req.nonce, req.body, run=request_scope(req, run))
-        verify(req.key, req.sig, raw)
+        verify(req.key, req.sig, request_signed_bytes(req, run, cert))
     except ProtocolError:
         return False
     return True
 
 
-def signatures_ok(reqs: list[SignedRequest], run: str) -> list[bool]:
+def signatures_ok(reqs: list[SignedRequest], run: str, cert: str | None) -> list[bool]:
     """`signature_ok` for a batch (one hop to a verify thread for a whole read)."""
-    return [signature_ok(r, run) for r in reqs]
+    return [signature_ok(r, run, cert) for r in reqs]

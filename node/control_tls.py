@@ -130,9 +130,9 @@ async def open_trio_stream(host: str, port: int, pin: str | None) -> tuple[trio.
 
 async def open_asyncio(
     host: str, port: int, pin: str | None
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """An asyncio TLS connection to the coordinator, checked against `pin`. The caller
-    bounds it with its own deadline."""
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+    """An asyncio TLS connection to the coordinator, checked against `pin`, and the
+    fingerprint seen. The caller bounds it with its own deadline."""
     import asyncio
 
     reader, writer = await asyncio.open_connection(
@@ -140,7 +140,7 @@ async def open_asyncio(
     )
     obj = writer.get_extra_info("ssl_object")
     try:
-        verify_peer(
+        seen = verify_peer(
             obj.getpeercert(binary_form=True) if obj is not None else None,
             pin,
             _where(host, port),
@@ -148,4 +148,4 @@ async def open_asyncio(
     except BaseException:
         writer.close()
         raise
-    return reader, writer
+    return reader, writer, seen

@@ -185,7 +185,10 @@ class CoordinatorClient:
 
     async def _exchange(self, body: Message, run: str | None) -> Message:
         assert self._stream is not None
-        req = sign_request(self.key, body, now=time.time(), run=run)
+        # bound to the certificate this stream verified: the key then needs no signature
+        # check for the rest of the connection (`coordinator.server`)
+        cert = None if run is None else self.seen_fingerprint
+        req = sign_request(self.key, body, now=time.time(), run=run, cert=cert)
         await self._stream.send_all(frame_message(req, max_frame=self.cfg.max_frame_bytes))
         while True:
             data = await self._stream.receive_some(1 << 16)

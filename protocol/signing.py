@@ -5,7 +5,11 @@ random nonce and an ed25519 signature over all of them and the run id, so a requ
 signed for one run is refused by any other run where the same key is a member. A
 request signed with `run=None` (`any_run`) is bound to no run: the coordinator accepts
 only a read-only status request in that form, which is how a client learns the run id
-before its first bound request. `ReplayGuard` refuses requests outside the clock-skew
+before its first bound request. A request may also be signed for the coordinator's TLS
+certificate (`bound`: its pinning fingerprint is in the signed bytes), so it proves its key
+only to the coordinator the client's TLS session reached, never to one it is relayed to by
+a party in the middle; the coordinator then trusts that key for the rest of the connection
+(`coordinator.server`). `ReplayGuard` refuses requests outside the clock-skew
 window, any (key, nonce) pair seen within it, and anything signed before its
 `not_before` (the coordinator's start: nonces seen by an earlier process are not
 remembered) or at or before the newest timestamp it had to forget to stay bounded.
@@ -36,6 +40,8 @@ ENVELOPE_MAX_STR = 64  # bytes of a str in the envelope (the type tag and field 
 REQUEST_MAX_ITEMS = 4096  # items of one array or map in a request body (a facility report)
 REQUEST_MAX_STR = 4096  # bytes of one str in a request body (the longest bounded field)
 _DOMAIN = b"agora/request/v2\0"
+_BOUND_DOMAIN = b"agora/request/v2+cert\0"  # signed for a coordinator certificate too
+MAX_CERT_ID = 128  # bytes of the certificate fingerprint in the signed bytes
 MAX_RUN_ID = 128  # bytes of the run id in the signed bytes (RunInfo.run_id)
 
 
@@ -47,6 +53,7 @@ class SignedRequest(Message):
     body: bytes  # an encoded message
     sig: bytes = bounded(min_len=SIGNATURE_SIZE, max_len=SIGNATURE_SIZE)
     any_run: bool = False  # signed for no run (only a status request may be)
+    bound: bool = False  # signed for the coordinator's certificate fingerprint too
 
 
 @functools.lru_cache(maxsize=16)
@@ -82,12 +89,21 @@ def decode_body(
     return decode(req.body, max_size=max_size, limits=limits or request_limits(max_size))
 
 
-def signed_bytes(key: bytes, ts: float, nonce: bytes, body: bytes, *, run: str | None) -> bytes:
-    """The bytes a request's signature covers; `run=None` binds it to no run."""
+def signed_bytes(
+    key: bytes, ts: float, nonce: bytes, body: bytes, *, run: str | None, cert: str | None = None
+) -> bytes:
+    """The bytes a request's signature covers; `run=None` binds it to no run, `cert` (a
+    `sha256:<hex>` pinning fingerprint) to one coordinator certificate as well."""
     scope = b"\xff" if run is None else run.encode()  # 0xff never occurs in UTF-8
     if len(scope) > MAX_RUN_ID:
         raise ProtocolError(f"run id of {len(scope)} bytes, above {MAX_RUN_ID}")
-    return _DOMAIN + bytes([len(scope)]) + scope + key + struct.pack(">d", ts) + nonce + body
+    head = _DOMAIN + bytes([len(scope)]) + scope
+    if cert is not None:
+        fp = cert.encode()
+        if len(fp) > MAX_CERT_ID:
+            raise ProtocolError(f"certificate id of {len(fp)} bytes, above {MAX_CERT_ID}")
+        head = _BOUND_DOMAIN + bytes([len(scope)]) + scope + bytes([len(fp)]) + fp
+    return head + key + struct.pack(">d", ts) + nonce + body
 
 
 def request_scope(req: SignedRequest, run: str) -> str | None:
@@ -95,14 +111,32 @@ def request_scope(req: SignedRequest, run: str) -> str | None:
     return None if req.any_run else run
 
 
-def sign_request(node_key: NodeKey, body: Message, *, now: float, run: str | None) -> SignedRequest:
-    """Sign `body` for `run` (None: for no run; servers take only a status request so)."""
+def request_signed_bytes(req: SignedRequest, run: str, cert: str | None) -> bytes:
+    """What `req`'s signature must cover on the server of `run` whose certificate has the
+    fingerprint `cert` (None: a server without one, where a bound request cannot verify)."""
+    if req.bound and cert is None:
+        raise ProtocolError("request signed for a certificate; this server has none")
+    scope = request_scope(req, run)
+    return signed_bytes(
+        req.key, req.ts, req.nonce, req.body, run=scope, cert=cert if req.bound else None
+    )
+
+
+def sign_request(
+    node_key: NodeKey, body: Message, *, now: float, run: str | None, cert: str | None = None
+) -> SignedRequest:
+    """Sign `body` for `run` (None: for no run; servers take only a status request so)
+    and, with `cert`, for the coordinator certificate of that fingerprint (the one the
+    client's TLS session verified)."""
+    if run is None and cert is not None:
+        raise ValueError("a request signed for no run is bound to no certificate")
     raw = encode(body)
     nonce = secrets.token_bytes(NONCE_SIZE)
-    sig = node_key.sign(signed_bytes(node_key.public_key, now, nonce, raw, run=run))
+    sig = node_key.sign(signed_bytes(node_key.public_key, now, nonce, raw, run=run, cert=cert))
     return SignedRequest(
-        key=node_key.public_key, ts=now, nonce=nonce, body=raw, sig=sig, any_run=run is None
-    )
+        key=node_key.public_key, ts=now, nonce=nonce, body=raw, sig=sig, any_run=run is None,
+        bound=cert is not None,
+    )  # fmt: skip
 
 
 class ReplayGuard:
@@ -158,13 +192,13 @@ def verify_request(
     run: str,
     any_run_types: tuple[type[Message], ...] = (),
     max_size: int = DEFAULT_MAX_FRAME,
+    cert: str | None = None,
 ) -> Message:
     """Check signature (for `run`, or for no run where the body is one of
-    `any_run_types`), time window and replay; return the decoded body."""
+    `any_run_types`; a bound request for the certificate `cert`), time window and replay;
+    return the decoded body."""
     scope = request_scope(req, run)
-    verify_signature(
-        req.key, req.sig, signed_bytes(req.key, req.ts, req.nonce, req.body, run=scope)
-    )
+    verify_signature(req.key, req.sig, request_signed_bytes(req, run, cert))
     guard.check(req.key, req.nonce, req.ts, now)
     body = decode_body(req, max_size=max_size)
     if scope is None and not isinstance(body, any_run_types):

@@ -256,6 +256,32 @@ def test_a_signature_is_bound_to_its_run_and_unbound_only_for_named_types() -> N
     )
 
 
+def test_a_bound_signature_names_one_certificate() -> None:
+    key, body = NodeKey.generate(), ErrorReply(code="hello")
+    guard = ReplayGuard(skew_s=30)
+    cert, other = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    bound = sign_request(key, body, now=1000.0, run="r", cert=cert)
+    assert bound.bound and not bound.any_run
+    assert decode(encode(bound)) == bound
+    with pytest.raises(ProtocolError, match="bad signature"):
+        verify_request(bound, now=1000.0, guard=guard, run="r", cert=other)
+    with pytest.raises(ProtocolError, match="certificate"):
+        verify_request(bound, now=1000.0, guard=guard, run="r")  # a server without one
+    # flipping the flag either way changes the signed bytes
+    with pytest.raises(ProtocolError, match="bad signature"):
+        verify_request(
+            dataclasses.replace(bound, bound=False), now=1000.0, guard=guard, run="r", cert=cert
+        )
+    plain = sign_request(key, body, now=1000.0, run="r")
+    with pytest.raises(ProtocolError, match="bad signature"):
+        verify_request(
+            dataclasses.replace(plain, bound=True), now=1000.0, guard=guard, run="r", cert=cert
+        )
+    assert verify_request(bound, now=1000.0, guard=guard, run="r", cert=cert) == body
+    with pytest.raises(ValueError, match="no run"):
+        sign_request(key, body, now=1000.0, run=None, cert=cert)
+
+
 def test_replay_guard_refuses_what_an_earlier_process_or_an_eviction_may_have_seen() -> None:
     guard = ReplayGuard(skew_s=60, not_before=1000.0)
     with pytest.raises(ProtocolError, match="before this coordinator started"):
