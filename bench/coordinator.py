@@ -279,6 +279,10 @@ def _parser() -> argparse.ArgumentParser:
         "--verify-threads", type=int, help="coordinator signature-check threads (its default)"
     )
     p.add_argument(
+        "--session-keys", type=int,
+        help="keys a connection may prove and then send unchecked (its default; 0: check all)",
+    )  # fmt: skip
+    p.add_argument(
         "--capacity", action="store_true",
         help="find the highest heartbeat rate whose p99 stays under --p99-goal-ms",
     )  # fmt: skip
@@ -321,6 +325,7 @@ def measure(args: argparse.Namespace, interval: float) -> dict[str, Any]:
                 "max_leases_per_peer": 4,
                 "min_grant_tokens": 1,
                 "verify_threads": args.verify_threads,  # None: the coordinator's default
+                "session_keys": args.session_keys,
             },
         )
         db = tmp / "bench.sqlite"
@@ -471,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         "verify_backend": verify_backend(),
         "sync": args.sync,
         "verify_threads": args.verify_threads,
+        "session_keys": args.session_keys,
         "procs": args.procs,
         "conns_per_proc": args.conns,
         "min_samples": MIN_SAMPLES,
