@@ -232,27 +232,39 @@ class _Link:
         self.values, self.round = values, round_
 
 
+RUN = c.RunInfo(
+    run_id="r1", model_preset="tiny", n_stages=2, codec="subspace_int8", seed=0,
+    heartbeat_interval_s=1.0, lease_ttl_s=10.0, dataset_name="d", dataset_hash="0" * 64,
+    shards=1, data_epoch=0,
+)  # fmt: skip
+
+
+def _state_replica(
+    worker: TorchWorker, members: Callable[[str], bool]
+) -> tuple[StateServer, Libp2pTransport]:
+    """A stage-1 replica's state server on its own py-libp2p transport, answering the
+    peers `members` admits."""
+    t = Libp2pTransport(NodeKey.generate(), P2PConfig())
+    srv = StateServer(
+        worker, run_id="r1", stage=lambda: 1, params=list, outer=True, max_frame=4096 + 16
+    )
+    t.set_handler(STATE_PROTOCOL, srv.handle)
+    t.set_membership(members)
+    return srv, t
+
+
 def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() -> None:
     """Two replicas serve (rounds 3 and 5) over real py-libp2p streams, a third is dead:
     the client takes round 5 in 4-element chunks, starts again when the served round
     changes mid-download, and waits out a `not_member` refusal until it is admitted."""
     n = 18
     worker = TorchWorker()
-    run = c.RunInfo(
-        run_id="r1", model_preset="tiny", n_stages=2, codec="subspace_int8", seed=0,
-        heartbeat_interval_s=1.0, lease_ttl_s=10.0, dataset_name="d", dataset_hash="0" * 64,
-        shards=1, data_epoch=0,
-    )  # fmt: skip
+    run = RUN
     client_key = NodeKey.generate()
     admitted: set[str] = set()
     servers, transports = [], []
     for round_ in (3, 5):
-        t = Libp2pTransport(NodeKey.generate(), P2PConfig())
-        srv = StateServer(
-            worker, run_id="r1", stage=lambda: 1, params=list, outer=True, max_frame=4096 + 16
-        )
-        t.set_handler(STATE_PROTOCOL, srv.handle)
-        t.set_membership(lambda peer: peer in admitted)
+        srv, t = _state_replica(worker, lambda peer: peer in admitted)
         servers.append((srv, _Link(torch.arange(n, dtype=torch.float32) * round_, round_)))
         transports.append(t)
     dead = NodeKey.generate().peer_id
@@ -310,11 +322,7 @@ def test_download_takes_the_attested_state_and_refuses_forged_ones() -> None:
     keeps the replica whose state's digest is the attested one."""
     n = 12
     worker = TorchWorker()
-    run = c.RunInfo(
-        run_id="r1", model_preset="tiny", n_stages=2, codec="subspace_int8", seed=0,
-        heartbeat_interval_s=1.0, lease_ttl_s=10.0, dataset_name="d", dataset_hash="0" * 64,
-        shards=1, data_epoch=0,
-    )  # fmt: skip
+    run = RUN
     theta, m = torch.arange(n, dtype=torch.float32), torch.full((n,), 0.5)
     served = [
         GlobalState(theta_g=theta.clone(), momentum=m.clone(), round=5),
@@ -326,12 +334,7 @@ def test_download_takes_the_attested_state_and_refuses_forged_ones() -> None:
     client_key = NodeKey.generate()
     servers, transports = [], []
     for state in served:
-        t = Libp2pTransport(NodeKey.generate(), P2PConfig())
-        srv = StateServer(
-            worker, run_id="r1", stage=lambda: 1, params=list, outer=True, max_frame=4096 + 16
-        )
-        t.set_handler(STATE_PROTOCOL, srv.handle)
-        t.set_membership(lambda peer: peer == client_key.peer_id)
+        srv, t = _state_replica(worker, lambda peer: peer == client_key.peer_id)
         srv.hold(state)
         servers.append(srv)
         transports.append(t)

@@ -7,10 +7,9 @@ neither torch nor hivemind nor libp2p.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from node.outer.settings import MAX_COUNT
+from node.outer.settings import finite
 from protocol.codec import unpackb
 from protocol.errors import ProtocolError
 from protocol.lineage import Link, check_lineage, to_plain
@@ -68,15 +67,6 @@ def float_of(
     if v < lo or v > hi or (lo_open and v == lo):
         raise ProtocolError(f"{where(cls)}: {key} = {v} outside its range from {lo} to {hi}")
     return v
-
-
-def finite(v: Any) -> float | None:
-    """`v` as a finite float when it is an int or float that is one, else None."""
-    if type(v) is int and -MAX_COUNT <= v <= MAX_COUNT:
-        return float(v)
-    if type(v) is float and math.isfinite(v):
-        return v
-    return None
 
 
 def bool_of(d: dict[str, Any], key: str) -> bool:

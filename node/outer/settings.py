@@ -150,7 +150,7 @@ class OuterConfig:
 # --- decoding helpers: every failure is a ProtocolError ---------------------------------
 
 
-def _finite(v: Any) -> float | None:
+def finite(v: Any) -> float | None:
     """`v` as a finite float when it is an int or float that is one, else None."""
     if type(v) is int and -MAX_COUNT <= v <= MAX_COUNT:
         return float(v)
@@ -179,7 +179,7 @@ def _settings(
         kind = type(defaults[key])
         if kind is int and (type(v) is not int or not -MAX_COUNT <= v <= MAX_COUNT):
             raise ProtocolError(f"{where}: {key} must be an int")
-        if kind is float and _finite(v) is None:
+        if kind is float and finite(v) is None:
             raise ProtocolError(f"{where}: {key} must be a finite number")
         if kind is str and (type(v) is not str or len(v) > MAX_SETTING_STR):
             raise ProtocolError(f"{where}: {key} must be a str of at most {MAX_SETTING_STR} chars")
