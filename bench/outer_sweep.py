@@ -59,6 +59,7 @@ GRID_DEFAULTS: dict[str, list[Any]] = {
     "data": ["random", "lease"],
     "inner_schedule": ["constant", "cosine"],
     "outer_compression": ["none"],
+    "clip_rel": [_SETTING.clip_rel],
     "grant_tokens": [_SETTING.grant_tokens],
     "lease_pool": [_SETTING.lease_pool],
     "shuffle_windows": [_SETTING.shuffle_windows],
@@ -191,6 +192,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inner-schedule", type=_words(SCHEDULES), help="constant | cosine")
     p.add_argument("--outer-compression", type=_words(COMPRESSIONS), help="none | fp16 | uint8")
     p.add_argument(
+        "--clip-rel", type=_floats,
+        help="centered-clipping radius(es) in median norms, groups of >= 3 (0: plain mean)",
+    )  # fmt: skip
+    p.add_argument(
         "--kill-at", type=_floats, default=None,
         help="run fractions of kill+join events in runs with churn (default 0.33,0.67;"
         " '' for none)",
@@ -217,7 +222,7 @@ def _axes(args: argparse.Namespace, grid: bool) -> dict[str, list[Any]]:
     single: dict[str, list[Any]] = {
         "eta": [node.eta], "mu": [node.mu], "H": [node.H], "p": [node.p], "churn": [0.0],
         "data": ["random"], "inner_schedule": ["constant"], "outer_compression": ["none"],
-        "grant_tokens": [node.grant_tokens], "lease_pool": [node.lease_pool],
+        "clip_rel": [node.clip_rel], "grant_tokens": [node.grant_tokens], "lease_pool": [node.lease_pool],
         "shuffle_windows": [node.shuffle_windows],
     }  # fmt: skip
     base = GRID_DEFAULTS if grid else single
@@ -242,6 +247,7 @@ def _row(
         "shuffle_windows": s.shuffle_windows,
         "inner_schedule": s.inner_schedule,
         "outer_compression": s.outer_compression,
+        "clip_rel": s.clip_rel,
         "eval_loss": r.eval_loss,
         "central_eval_loss": central_loss,
         "gap_pct": 100.0 * (r.eval_loss - central_loss) / central_loss,

@@ -150,6 +150,8 @@ class Setting:
     shuffle_windows: bool = bool(_node_default("shuffle_windows"))  # draw across leases
     inner_schedule: str = "constant"  # constant | cosine (name)
     outer_compression: str = "none"  # none | fp16 | uint8, group rounds only (name)
+    # centered clipping at this x the median norm, groups of >= 3 (0: the weighted mean)
+    clip_rel: float = DilocoConfig().clip_rel
     stage: str = ""  # which part of the grid asked for it (label)
 
     def __post_init__(self) -> None:
@@ -235,8 +237,9 @@ class Simulation:
         self.rounds = max(1, round(common.tokens / per_round))
         self.total_inner_steps = self.rounds * setting.H
         self.dcfg = DilocoConfig(
-            eta=setting.eta, mu=setting.mu, participation_power=setting.p, target_tokens=per_round
-        )
+            eta=setting.eta, mu=setting.mu, participation_power=setting.p,
+            target_tokens=per_round, clip_rel=setting.clip_rel,
+        )  # fmt: skip
         self.churn_rng = random.Random(common.seed)
         self.leases = LeaseQueue(dataset)
         self.grants = GrantQueue(

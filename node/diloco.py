@@ -156,7 +156,12 @@ def aggregate(contribs: Sequence[Contribution], ref_norm: float, cfg: DilocoConf
     Rejected: non-finite or absurd-norm deltas (see `rejection_reason`), with three or more
     candidates also those whose norm exceeds `max_median_ratio` times the median, zero-token
     ones and ones past the staleness bound. With `clip_radius > 0` the mean is replaced by
-    centered clipping. The result depends only on the inputs and their order.
+    centered clipping at that radius; otherwise, with three or more usable contributions
+    and `clip_rel > 0` (the default), by centered clipping at `clip_rel` times their median
+    norm: contributions within that distance of the running centre count in full (the
+    weighted mean, up to rounding), and one member, however weighted, moves the result by
+    at most `tau * w_i / sum w` per iteration. The result depends only on the inputs and
+    their order.
     """
     return _aggregate(contribs, ref_norm, cfg.clip_radius, cfg)
 
@@ -234,8 +239,12 @@ def _aggregate(
     if total <= 0.0:
         return Aggregate(delta=None, tokens=0, weights=weights, rejected=rejected)
     deltas = [c.delta for c in contribs]
-    if clip_radius > 0.0:
-        d = centered_clip(deltas, weights, clip_radius, cfg.clip_iters)
+    usable = sorted(n for i, n in norms.items() if weights[i] > 0.0)
+    tau = clip_radius
+    if tau <= 0.0 and cfg.clip_rel > 0.0 and len(usable) >= 3:
+        tau = cfg.clip_rel * max(usable[(len(usable) - 1) // 2], 1e-12)
+    if tau > 0.0:
+        d = centered_clip(deltas, weights, tau, cfg.clip_iters)
     else:
         d = _weighted_mean(deltas, weights, total)
     return Aggregate(delta=d, tokens=tokens, weights=weights, rejected=rejected)

@@ -177,7 +177,7 @@ def test_a_single_part_aggregates_like_the_whole_vector() -> None:
 
 
 def test_parts_of_a_mean_are_the_mean_of_the_parts() -> None:
-    cfg = DilocoConfig()
+    cfg = DilocoConfig(clip_rel=0.0)
     g = torch.Generator().manual_seed(4)
     cs = [Contribution(delta=torch.randn(30, generator=g) * 0.01, tokens=t) for t in (5, 10, 20)]
     whole = aggregate(cs, 1.0, cfg).delta
@@ -225,3 +225,49 @@ def test_centered_clipping_radius_scales_with_the_part() -> None:
     assert math.isclose(pull, 0.4 * share / 4, rel_tol=1e-5)  # tau * share * w / sum w
     with pytest.raises(ValueError, match="share"):
         aggregate_part(honest, 1.0, 0.0, cfg)
+
+
+def test_relative_clipping_is_on_by_default_from_three_contributions() -> None:
+    """By default a group of three or more is aggregated by centered clipping at
+    `clip_rel` x the median norm: honest contributions give their weighted mean (up to
+    rounding), and a member that claims twice the tokens (40 % of the weight) and sends
+    15x the honest norm in the opposite direction (inside the median check's 20x) moves
+    the result by at most `clip_iters * tau * w / sum w` beyond the honest spread, less
+    than half of what the plain mean lets it (which turns the step around). (A member holding half the weight or more
+    can be the weighted medoid the clipping starts from: clipping protects a minority of
+    weight only.)"""
+    cfg = DilocoConfig()
+    assert cfg.clip_rel == 2.0 and cfg.clip_radius == 0.0
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(64, generator=g) * 0.01
+    honest = [
+        Contribution(delta=base + torch.randn(64, generator=g) * 0.003, tokens=100)
+        for _ in range(3)
+    ]
+    mean = aggregate(honest, 10.0, DilocoConfig(clip_rel=0.0)).delta
+    clipped = aggregate(honest, 10.0, cfg).delta
+    assert mean is not None and clipped is not None
+    assert torch.allclose(clipped, mean, atol=1e-8)
+
+    attacker = Contribution(delta=-15.0 * base, tokens=200)
+    plain = aggregate([*honest, attacker], 10.0, DilocoConfig(clip_rel=0.0))
+    robust = aggregate([*honest, attacker], 10.0, cfg)
+    assert plain.rejected == robust.rejected == {}
+    assert plain.delta is not None and robust.delta is not None
+    norms = sorted(float(torch.linalg.vector_norm(c.delta)) for c in [*honest, attacker])
+    tau = 2.0 * norms[1]  # the lower median of four
+    spread = max(float(torch.linalg.vector_norm(c.delta - mean)) for c in honest)
+    bound = spread + cfg.clip_iters * tau * 200 / 500
+    robust_pull = float(torch.linalg.vector_norm(robust.delta - mean))
+    plain_pull = float(torch.linalg.vector_norm(plain.delta - mean))
+    assert robust_pull <= bound, (robust_pull, bound)
+    assert plain_pull > 2 * robust_pull, (plain_pull, robust_pull)
+    assert float(torch.dot(plain.delta, base)) < 0  # the plain mean turned the step around
+
+
+def test_two_contributions_are_averaged_without_clipping_by_default() -> None:
+    g = torch.Generator().manual_seed(8)
+    cs = [Contribution(delta=torch.randn(16, generator=g) * 0.01, tokens=t) for t in (3, 5)]
+    a = aggregate(cs, 1.0, DilocoConfig()).delta
+    b = aggregate(cs, 1.0, DilocoConfig(clip_rel=0.0)).delta
+    assert a is not None and b is not None and torch.equal(a, b)

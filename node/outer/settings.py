@@ -46,6 +46,9 @@ class DilocoConfig:
         0.0  # centered-clipping radius tau (parameter units); 0 = plain weighted mean
     )
     clip_iters: int = 3  # centered-clipping iterations (count)
+    # with clip_radius 0 and >= 3 usable contributions: centered clipping at this x the
+    # median usable contribution norm (dimensionless); 0 = plain weighted mean
+    clip_rel: float = 2.0
     # a member's claimed tokens count up to this x the group's median claim (dimensionless)
     max_token_ratio: float = 4.0
 
@@ -71,6 +74,8 @@ class DilocoConfig:
             )
         if self.max_token_ratio < 1.0:
             raise ValueError(f"max_token_ratio must be >= 1, got {self.max_token_ratio}")
+        if not 0.0 <= self.clip_rel <= 1e6:
+            raise ValueError(f"clip_rel must be in [0, 1e6], got {self.clip_rel}")
         if self.clip_radius < 0.0 or self.clip_iters < 1:
             raise ValueError(
                 f"clip_radius must be >= 0 and clip_iters >= 1, got {self.clip_radius}, {self.clip_iters}"
