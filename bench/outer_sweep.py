@@ -437,13 +437,13 @@ def _table(out: dict[str, Any]) -> None:
         print(f"central: eval loss {ref['eval_loss']:.4f} at {ref['tokens_trained']:,} tokens")
     head = (
         f"{'stage':<14}{'eta':>5}{'mu':>5}{'H':>4}{'p':>5}{'churn':>6}  {'data':<20}{'sched':<9}"
-        f"{'wire':<6}{'rounds':>8}{'eta_r':>7}{'eval':>8}{'gap %':>8}{'wall s':>8}"
+        f"{'wire':<6}{'clip':>5}{'rounds':>8}{'eta_r':>7}{'eval':>8}{'gap %':>8}{'wall s':>8}"
     )
     print(head)
     for r in out["rows"]:
         print(
             f"{r['stage']:<14}{r['eta']:>5g}{r['mu']:>5g}{r['H']:>4}{r['p']:>5g}{r['churn']:>6g}"
             f"  {_data_cell(r):<20}{r['inner_schedule']:<9}{r['outer_compression']:<6}"
-            f"{r['rounds_applied']:>4}/{r['rounds']:<3}{r['mean_eta_r']:>7.3f}"
+            f"{r['clip_rel']:>5g}{r['rounds_applied']:>4}/{r['rounds']:<3}{r['mean_eta_r']:>7.3f}"
             f"{r['eval_loss']:>8.4f}{r['gap_pct']:>+8.2f}{r['wall_s']:>8.1f}"
         )
