@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.coordinator import MIN_SAMPLES, capacity, main, percentiles, within_capacity
 
 
@@ -26,10 +28,16 @@ def test_capacity_is_the_highest_rate_that_kept_up() -> None:
     assert capacity([step(500, 500, 60.0)], 50.0) is None
 
 
-def test_a_small_run_reports_successes_and_latencies_by_kind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("session_keys", ["4096", "0"])
+def test_a_small_run_reports_successes_and_latencies_by_kind(
+    tmp_path: Path, session_keys: str
+) -> None:
+    """With proven keys the load generator sends unsigned requests after each join; with
+    `--session-keys 0` it signs every one. Either way no request is refused."""
     out = tmp_path / "c.json"
     args = ["--peers", "300", "--interval", "1", "--duration", "3", "--procs", "1",
-            "--conns", "2", "--lease-peers", "2", "--json", str(out)]  # fmt: skip
+            "--conns", "2", "--lease-peers", "2", "--session-keys", session_keys,
+            "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     got = json.loads(out.read_text())
     assert got["errors"] == {} and got["peers_after_restart"] == 300
