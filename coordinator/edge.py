@@ -28,37 +28,41 @@ def host_key(host: str) -> str:
 
 class RateLimiter:
     """Token bucket per key; idle buckets are dropped by `prune`. A `rate` of 0 admits
-    everything (no buckets are kept)."""
+    everything (no buckets are kept). A bucket is two floats in two dicts rather than a
+    list per key: dicts of str/bytes keys and float values are not tracked by Python's
+    cyclic GC, so a bucket per peer adds nothing to what a full collection scans."""
 
-    __slots__ = ("_buckets", "burst", "rate")
+    __slots__ = ("_stamp", "_tokens", "burst", "rate")
 
     def __init__(self, rate: float, burst: float) -> None:
         self.rate, self.burst = rate, burst  # requests/s, requests
-        self._buckets: dict[Hashable, list[float]] = {}
+        self._tokens: dict[Hashable, float] = {}  # requests left at the last request
+        self._stamp: dict[Hashable, float] = {}  # unix seconds of the last request
 
     def allow(self, key: Hashable, now: float) -> bool:
         if self.rate <= 0:
             return True
-        b = self._buckets.get(key)
-        if b is None:
-            self._buckets[key] = [self.burst - 1, now]
+        last = self._stamp.get(key)
+        self._stamp[key] = now
+        if last is None:
+            self._tokens[key] = self.burst - 1
             return True
-        tokens = min(self.burst, b[0] + (now - b[1]) * self.rate)
-        b[1] = now
+        tokens = min(self.burst, self._tokens[key] + (now - last) * self.rate)
         if tokens < 1:
-            b[0] = tokens
+            self._tokens[key] = tokens
             return False
-        b[0] = tokens - 1
+        self._tokens[key] = tokens - 1
         return True
 
     def prune(self, now: float) -> None:
         if self.rate <= 0:
             return
         full = self.burst / self.rate
-        self._buckets = {k: b for k, b in self._buckets.items() if now - b[1] < full}
+        self._stamp = {k: t for k, t in self._stamp.items() if now - t < full}
+        self._tokens = {k: self._tokens[k] for k in self._stamp}
 
     def __len__(self) -> int:
-        return len(self._buckets)
+        return len(self._stamp)
 
 
 class HostConnections:
