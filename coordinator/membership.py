@@ -33,7 +33,7 @@ import collections
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from coordinator.journal import Journal
@@ -50,8 +50,9 @@ class Peer:
     peer_id: str
     public_key: bytes
     stage: int
-    addrs: list[str]
-    dht_addrs: list[str]
+    # kept as tuples once joined or restored: a tuple of str is not tracked by the GC
+    addrs: Sequence[str]
+    dht_addrs: Sequence[str]
     device: str
     throughput: float  # tokens/s
     deadline: float | None  # unix seconds
@@ -70,7 +71,7 @@ class Peer:
     fits: tuple[int, ...] | None = None
 
     def row(self) -> tuple[Any, ...]:
-        book: dict[str, Any] = {"p2p": self.addrs, "dht": self.dht_addrs}
+        book: dict[str, Any] = {"p2p": list(self.addrs), "dht": list(self.dht_addrs)}
         if self.observer:
             book["observer"] = True
         if self.memory is not None:
@@ -104,8 +105,8 @@ class Peer:
             pid,
             bytes(pk),
             int(stage),
-            fit(list(book["p2p"])),  # an entry stored under older, looser bounds is cut
-            fit(list(book["dht"])),
+            tuple(fit(list(book["p2p"]))),  # an entry stored under older, looser bounds is cut
+            tuple(fit(list(book["dht"]))),
             device,
             float(thr),
             dl,
@@ -125,8 +126,8 @@ class Peer:
         return PeerInfo(
             peer_id=self.peer_id,
             stage=self.stage,
-            addrs=self.addrs,
-            dht_addrs=self.dht_addrs,
+            addrs=list(self.addrs),
+            dht_addrs=list(self.dht_addrs),
             device=self.device,
             throughput=self.throughput,
             deadline=self.deadline,
@@ -293,8 +294,8 @@ class Membership:
     def join(self, peer: Peer) -> Peer:
         # what the member announced, as the others can dial it (`protocol.addrs.observed`,
         # from the source address the coordinator saw; an observer's is not kept)
-        peer.addrs = observed(peer.addrs, peer.metrics_host)
-        peer.dht_addrs = observed(peer.dht_addrs, peer.metrics_host)
+        peer.addrs = tuple(observed(list(peer.addrs), peer.metrics_host))
+        peer.dht_addrs = tuple(observed(list(peer.dht_addrs), peer.metrics_host))
         old = self.live.pop(peer.peer_id, None)
         if old is not None:
             self._account(old, -1)
@@ -323,9 +324,9 @@ class Membership:
         peer = self.live.get(peer_id)
         if peer is None:
             return
-        dht_addrs = observed(list(dht_addrs), peer.metrics_host)
-        if peer.dht_addrs != dht_addrs:
-            peer.dht_addrs = dht_addrs
+        announced = tuple(observed(list(dht_addrs), peer.metrics_host))
+        if tuple(peer.dht_addrs) != announced:
+            peer.dht_addrs = announced
             self._change(peer, "update")
 
     def remove(self, peer_id: str, state: str) -> Peer | None:

@@ -219,7 +219,7 @@ class Service:
                     # fences are audited, durable writes a stranger must not cause)
                     return _err("fenced", f"lease {body.lease_id} is not held by this peer")
                 # a lapsed holder's lease calls are answered by the lease book: `fenced`
-                stub = Peer(peer_id, key, 0, [], [], "", 0.0, None, None, None, False, now, now)
+                stub = Peer(peer_id, key, 0, (), (), "", 0.0, None, None, None, False, now, now)
                 return handler(stub, body, now)
             return _err("not_member", "not a live member (membership lapsed?): join first")
         return handler(peer, body, now)
@@ -269,8 +269,8 @@ class Service:
             peer_id=peer_id,
             public_key=key,
             stage=stage,
-            addrs=list(req.addrs),
-            dht_addrs=list(req.dht_addrs),
+            addrs=tuple(req.addrs),
+            dht_addrs=tuple(req.dht_addrs),
             device=req.device,
             throughput=req.throughput,
             deadline=req.deadline,
@@ -491,7 +491,7 @@ class Service:
         peer = self.membership.remove(req.peer_id, BANNED)
         self.attest.forget(req.peer_id)
         if peer is None:  # not live: record the ban anyway
-            peer = Peer(req.peer_id, b"", 0, [], [], "", 0.0, None, None, None, False, now, now)
+            peer = Peer(req.peer_id, b"", 0, (), (), "", 0.0, None, None, None, False, now, now)
             peer.state = BANNED
             self.journal.peers[req.peer_id] = peer
         self.metrics.leaves.labels(BANNED).inc()
