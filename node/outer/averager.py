@@ -21,6 +21,9 @@ stream and returns the first one that answers, whatever its shape or size. Ours 
 each source through `node.outer.state_download.StateDownload` (a byte cap of the
 stage's size plus slack, headers checked before decoding, two finite fp32 tensors of the
 stage's size and a round) and goes on to the next source, by priority, when one fails.
+Each replica also declares where its DHT listens (`<prefix>.addrs`, beside hivemind's
+sharing priority), and a download dials the source there first: the p2p daemon finds
+peers through its own DHT, which may not know a source it never met.
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.timed_storage import ValueWithExpiration
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from node.diloco import DilocoConfig
 from node.outer.all_gather import AllGatherRounds, _Exchange
-from node.outer.parts import NO_METADATA, checked_gathered
+from node.outer.parts import MAX_ADDR, MAX_ADDRS, NO_METADATA, checked_gathered
 from node.outer.reduce_scatter import ReduceScatterRounds, _Round
 from node.outer.settings import AVERAGINGS
 from node.outer.state_download import StateDownload, state_digest
@@ -74,6 +77,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         exchange_timeout: float,
         state_provider: StateProvider,
         scheme: str = "reduce_scatter",
+        announce: Sequence[str] = (),
         **kwargs: Any,
     ) -> None:
         if scheme not in AVERAGINGS:
@@ -86,6 +90,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         self._state_provider = state_provider
         self._exchanges: dict[bytes, _Exchange] = {}
         self._registered: asyncio.Event | None = None
+        self._announce = list(announce)[:MAX_ADDRS]  # where our DHT listens (no /p2p/)
         super().__init__([contribution], dht, prefix=prefix, start=False, **kwargs)
 
     # ---- state for joiners (runs in the host process) ----------------------------------
@@ -138,10 +143,13 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
                 priority = {p: v for p, v in priority.items() if p.to_base58() in allowed}
             if want is not None:  # who declares the wanted round first
                 priority = {p: (float(v[0] == want[0]), *v) for p, v in priority.items()}
+            addrs = self._announced_addrs()
             for peer in sorted(priority, key=priority.__getitem__, reverse=True):
                 if peer == self.peer_id:
                     continue
                 try:  # one source may take the whole download's time, never more
+                    if peer in addrs:  # the daemon may not route to a peer it never met
+                        await self._dial_at(peer, addrs[peer], wait)
                     got = await asyncio.wait_for(self._download_state(peer, wait), timeout)
                     if got is not None and want is not None:
                         held = (got[0]["round"], state_digest(got[0]["round"], *got[1]))
@@ -156,6 +164,52 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         finally:
             if not future.done():
                 future.set_result(None)
+
+    def _announced_addrs(self) -> dict[PeerID, list[str]]:
+        """The DHT addresses replicas declare beside their sharing priority (see
+        `_declare_addrs_periodically`); an entry that is not a short list of short
+        strings is skipped. Unsigned claims: a dial proves the peer id (Noise), so a
+        forged entry costs one failed dial."""
+        found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.addrs", latest=True)
+        entries = found.value if found is not None else {}
+        out: dict[PeerID, list[str]] = {}
+        for key, info in entries.items() if isinstance(entries, dict) else ():
+            v = info.value if isinstance(info, ValueWithExpiration) else None
+            if type(v) is not list or not 0 < len(v) <= MAX_ADDRS:
+                continue
+            if any(type(a) is not str or not 0 < len(a) <= MAX_ADDR for a in v):
+                continue
+            try:
+                out[PeerID(key)] = list(v)
+            except Exception:  # a key that is no peer id
+                continue
+        return out
+
+    async def _declare_for_download_periodically(self) -> None:
+        """hivemind's declaration of this replica's sharing priority, and beside it the
+        addresses its DHT listens on, for replicas that download state from it."""
+        addrs = asyncio.create_task(self._declare_addrs_periodically())
+        try:
+            await super()._declare_for_download_periodically()
+        finally:
+            addrs.cancel()
+
+    async def _declare_addrs_periodically(self) -> None:
+        """Store `<prefix>.addrs` (subkey: our peer id) every `declare_state_period`: a
+        replica's p2p daemon finds peers through its own DHT, which may not know a
+        source it never met ("routing: not found"), so downloaders dial these first."""
+        key = f"{self._matchmaking.group_key_manager.prefix}.addrs"
+        while self._announce:
+            expiration = get_dht_time() + 2 * self.declare_state_period
+            try:
+                await asyncio.wait_for(
+                    self.dht.store(key, subkey=self.peer_id.to_bytes(), value=self._announce,
+                                   expiration_time=expiration, return_future=True),
+                    timeout=self.declare_state_period,
+                )  # fmt: skip
+            except Exception as exc:
+                log.debug("declaring our addresses failed: %r", exc)
+            await asyncio.sleep(self.declare_state_period)
 
     async def _download_state(
         self, peer: PeerID, wait: float

@@ -139,6 +139,8 @@ class OuterProcess:
             start=True,
             await_ready=True,
         )
+        addrs = [str(a) for a in self.dht.get_visible_maddrs()]
+        self.listen_addrs = [a.split("/p2p/")[0] for a in addrs][:MAX_ADDRS]
         self.contribution = torch.zeros(init.numel, dtype=torch.float32)
         self.averager = self.averager_cls(
             self.contribution,
@@ -158,10 +160,9 @@ class OuterProcess:
             allow_state_sharing=False,  # until this replica holds a state
             declare_state_period=5.0,
             shutdown_timeout=3.0,
+            announce=self.listen_addrs,
         )
         self.averager.run_in_background(await_ready=True, timeout=self.cfg.startup_timeout_s)
-        addrs = [str(a) for a in self.dht.get_visible_maddrs()]
-        self.listen_addrs = [a.split("/p2p/")[0] for a in addrs][:MAX_ADDRS]
         log.info("outer process for %s up: %s", self.prefix, addrs)
         self.send(Ready(addrs=addrs, peer_id=self.dht.peer_id.to_base58()))
         try:

@@ -58,20 +58,23 @@ class GroupRoundHost:
         member's own claim: a dial proves the peer id (Noise), and one that fails costs
         only that member's pushes."""
 
-        async def dial(peer: PeerID, addrs: list[str]) -> None:
-            try:
-                maddrs = [Multiaddr(a) for a in addrs]
-                await asyncio.wait_for(self._p2p._client.connect(peer, maddrs), timeout)
-            except Exception as exc:
-                log.info("dialing %s at its announced addresses failed: %r", peer, exc)
-
         await asyncio.gather(
             *(
-                dial(p, g["addrs"])
+                self._dial_at(p, g["addrs"], timeout)
                 for p, g in gathered.items()
                 if p.to_bytes() > self.peer_id.to_bytes() and g["addrs"]
             )
         )
+
+    async def _dial_at(self, peer: PeerID, addrs: list[str], timeout: float) -> None:
+        """Connect to `peer` at `addrs` (checked multiaddrs without /p2p/), for up to
+        `timeout` (s); a failure is logged and costs nothing else (already connected:
+        nothing to do)."""
+        try:
+            maddrs = [Multiaddr(a) for a in addrs]
+            await asyncio.wait_for(self._p2p._client.connect(peer, maddrs), timeout)
+        except Exception as exc:
+            log.info("dialing %s at its announced addresses failed: %r", peer, exc)
 
     async def _registered_round(
         self, rounds: dict[bytes, R], gid: bytes, timeout: float
