@@ -33,6 +33,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": ("bench.cli:main", "run a benchmark: agora bench NAME [--json FILE]"),
     "launch": ("node.launch.cli:main", "keep agora-node jobs queued on a Slurm/PBS cluster"),
+    "plan": (
+        "swarmlab.plan.main:main",
+        "predict a swarm (tokens/s, efficiency, rounds) by simulation; --validate checks it",
+    ),
     "chaos": (
         "swarmlab.chaos.main:main",
         "inject a seeded fault schedule into a local swarm; audit",

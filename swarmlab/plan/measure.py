@@ -1,0 +1,124 @@
+"""Measure a real loopback swarm of a given shape, for `agora plan`'s validation.
+
+`measure_shape` starts a coordinator and `stages x replicas` real nodes (`LocalSwarm`,
+node defaults: outer loop on), and reads, as an operator would:
+- **tokens/s**: stage 0's trained tokens (`agora_node_tokens_total`, Prometheus) over a
+  steady-state window that starts `warmup_s` after the first trained micro-batch;
+- **round time**: the mean gap between consecutive `round_applied` events of each
+  replica (node events), over the window;
+- **re-route time**: after the window, one replica of stage 1 is SIGKILLed; the time
+  from the kill to the first `forward_rerouted` event of a stage-0 node (the first
+  micro-batch that failed through the victim and came back through a survivor; only
+  stage 0 writes the event).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from swarmlab.swarm import LocalSwarm
+
+
+def _trained(sw: LocalSwarm, names: list[str]) -> float:
+    return sum(sw.scrape(n).get("agora_node_tokens_total", 0.0) for n in names)
+
+
+def _cpu(sw: LocalSwarm, names: list[str]) -> dict[str, tuple[float, float]]:
+    """(own, children's) user + system CPU seconds of each node's process tree."""
+    out = {}
+    for n in names:
+        try:
+            proc = psutil.Process(sw.nodes[n].popen.pid)
+            kids = proc.children(recursive=True)
+            own = sum(proc.cpu_times()[:2])
+            children = 0.0
+            for k in kids:
+                try:
+                    children += sum(k.cpu_times()[:2])
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            own = children = float("nan")
+        out[n] = (own, children)
+    return out
+
+
+def _round_gaps(sw: LocalSwarm, names: list[str], t0: float, t1: float) -> list[float]:
+    gaps: list[float] = []
+    for n in names:
+        ts = sorted(ev["t"] for ev in sw.events(n, "round_applied"))
+        gaps += [b - a for a, b in zip(ts, ts[1:], strict=False) if t0 <= a and b <= t1]
+    return gaps
+
+
+def measure_shape(
+    workdir: Path,
+    *,
+    preset: str,
+    stages: int,
+    replicas: int,
+    warmup_s: float,
+    window_s: float,
+    node_values: dict[str, Any] | None = None,
+    reroute: bool = True,
+    say: Any = print,
+) -> dict[str, Any]:
+    """Tokens/s, mean outer-round time and re-route time of a real loopback swarm;
+    `node_values` are agora-node settings for every node (a `[node]` TOML table)."""
+    sw = LocalSwarm(workdir=workdir, preset=preset, stages=stages)
+    if node_values:
+        sw.node_args = ["--config", str(sw.write_node_config(**node_values))]
+    names = {s: [f"s{s}r{r}" for r in range(replicas)] for s in range(stages)}
+    everyone = [n for ns in names.values() for n in ns]
+    out: dict[str, Any] = {"stages": stages, "replicas": replicas, "preset": preset}
+    try:
+        sw.start_coordinator()
+        for s, ns in names.items():
+            for n in ns:
+                sw.add_node(n, s)
+        say(f"{stages}x{replicas}: {len(everyone)} nodes starting")
+        sw.wait_for(lambda: _trained(sw, names[0]) > 0, "the first trained micro-batch", 300)
+        time.sleep(warmup_s)
+        for n in everyone:
+            if not sw.nodes[n].alive():
+                raise RuntimeError(f"node {n} exited:\n{sw.nodes[n].tail()}")
+        say(f"{stages}x{replicas}: measuring for {window_s:.0f} s")
+        tok0, w0, m0 = _trained(sw, names[0]), time.time(), time.monotonic()
+        cpu0 = _cpu(sw, everyone)
+        time.sleep(window_s)
+        tok1, w1, m1 = _trained(sw, names[0]), time.time(), time.monotonic()
+        cpu1 = _cpu(sw, everyone)
+        out["tokens_per_s"] = (tok1 - tok0) / (m1 - m0)
+        out["cpu_s_per_s"] = {
+            n: [(cpu1[n][i] - cpu0[n][i]) / (m1 - m0) for i in (0, 1)] for n in everyone
+        }
+        gaps = _round_gaps(sw, everyone, w0, w1)
+        out["round_s"] = sum(gaps) / len(gaps) if gaps else None
+        out["rounds_seen"] = len(gaps)
+        if reroute and replicas > 1 and stages > 1:
+            victim = names[1][-1]
+            t_kill = time.time()
+            sw.nodes[victim].signal(signal.SIGKILL)
+            sw.nodes[victim].popen.wait(10)
+
+            def first_reroute() -> float | None:
+                ts = [
+                    ev["t"]
+                    for n in names[0]
+                    for ev in sw.events(n, "forward_rerouted")
+                    if ev["t"] >= t_kill
+                ]
+                return min(ts) if ts else None
+
+            t_done = sw.wait_for(first_reroute, "a re-routed micro-batch", 120, 0.1)
+            out["reroute_s"] = float(t_done or 0.0) - t_kill
+            del sw.nodes[victim]
+        sw.stop()
+    finally:
+        sw.kill_all()
+    return out

@@ -1,0 +1,161 @@
+"""Questions `agora plan` asks the simulator: one prediction, the data-centre reference,
+the recommended stage count, and the sweeps behind the plots.
+
+Every answer is a `SwarmSim` run over `minutes` of simulated time after a warm-up; the
+data-centre reference is the same shape and devices with 100 Gbit/s, 20 us links and
+no churn ("the same GPUs in one data centre").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from protocol.memory import NodeSettings as MemorySettings
+from protocol.memory import stage_needs
+from protocol.model_config import ModelConfig
+from swarmlab.plan.fleet import DEVICES, Churn, Fleet, PeerGroup
+from swarmlab.plan.profile import Profile, device_profile, measure_cpu
+from swarmlab.plan.sim import SwarmSim
+
+DC_MBIT = 100_000.0  # a data centre's links (Mbit/s)
+DC_RTT_MS = 0.02  # and RTT (ms)
+GIB = 1 << 30
+
+
+def profiles_for(model: ModelConfig, fleet: Fleet, n_stages: int) -> dict[str, Profile]:
+    """One profile per device class in the fleet (cpu: measured here)."""
+    out: dict[str, Profile] = {}
+    for g in fleet.groups:
+        if g.device in out:
+            continue
+        if g.device == "cpu":
+            out["cpu"] = measure_cpu(model, n_stages, fleet.node)
+        else:
+            out[g.device] = device_profile(model, n_stages, fleet.node, g.device)
+    return out
+
+
+def simulate(
+    fleet: Fleet,
+    profiles: dict[str, Profile],
+    n_stages: int,
+    *,
+    minutes: float,
+    warmup_s: float = 60.0,
+    seed: int = 0,
+    stages_of: list[int | None] | None = None,
+) -> dict[str, Any]:
+    """Run the fleet for warm-up + `minutes`; `stages_of` pins each peer's stage (in group
+    order; None: the coordinator's placement)."""
+    sim = SwarmSim(fleet, profiles, n_stages, seed=seed)
+    peers = [g for g in fleet.groups for _ in range(g.count)]
+    pins = stages_of or [None] * len(peers)
+    sim.start(list(zip(peers, pins, strict=True)))
+    return sim.measure(warmup_s, minutes * 60)
+
+
+def data_centre(fleet: Fleet) -> Fleet:
+    groups = [
+        dataclasses.replace(
+            g, up_mbit=DC_MBIT, down_mbit=DC_MBIT, rtt_ms=(DC_RTT_MS, DC_RTT_MS), loss=0.0,
+            relayed=0.0,
+        )
+        for g in fleet.groups
+    ]  # fmt: skip
+    return dataclasses.replace(fleet, groups=groups, churn=Churn())
+
+
+def predict(
+    model: ModelConfig, fleet: Fleet, n_stages: int, *, minutes: float, seed: int = 0
+) -> dict[str, Any]:
+    profiles = profiles_for(model, fleet, n_stages)
+    swarm = simulate(fleet, profiles, n_stages, minutes=minutes, seed=seed)
+    dc = simulate(data_centre(fleet), profiles, n_stages, minutes=minutes, seed=seed)
+    swarm["dc_tokens_per_s"] = dc["tokens_per_s"]
+    # trained, not committed, tokens: commits come in outer-round lumps (a round can be
+    # longer than the window); over a long run the two agree
+    swarm["efficiency"] = swarm["tokens_per_s"] / max(dc["tokens_per_s"], 1e-9)
+    swarm["stages"] = n_stages
+    swarm["replicas_per_stage"] = fleet.n_peers / n_stages
+    swarm["profiles"] = {k: p.to_dict() for k, p in profiles.items()}
+    return swarm
+
+
+def fitting_stage_counts(model: ModelConfig, fleet: Fleet) -> list[int]:
+    """Stage counts (dividing the layers, at most one stage per peer) whose every stage
+    fits the smallest device of the fleet at the fleet's node settings."""
+    n = fleet.node
+    mem = min(DEVICES[g.device]["memory_gb"] if g.device != "cpu" else 1e9 for g in fleet.groups)
+    gpu = all(g.device != "cpu" for g in fleet.groups)
+    settings = MemorySettings(
+        micro_batch=n.micro_batch, seq_len=n.seq_len, in_flight=n.in_flight,
+        activation_cache=n.activation_cache, precision=n.precision if gpu else "fp32",
+        cuda=gpu, recompute=n.recompute,
+    )  # fmt: skip
+    out = []
+    for k in range(1, min(model.n_layers, fleet.n_peers) + 1):
+        if model.n_layers % k:
+            continue
+        if max(x.total for x in stage_needs(model, k, settings)) <= mem * GIB:
+            out.append(k)
+    return out
+
+
+def recommend(
+    model: ModelConfig, fleet: Fleet, *, minutes: float, seed: int = 0, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Simulate each stage count that fits and pick the highest trained tokens/s."""
+    rows = []
+    for k in fitting_stage_counts(model, fleet):
+        profiles = profiles_for(model, fleet, k)
+        r = simulate(fleet, profiles, k, minutes=minutes, seed=seed)
+        say(f"  {k:>3} stages x {fleet.n_peers / k:5.1f} replicas: {r['tokens_per_s']:,.0f} tokens/s")  # fmt: skip
+        rows.append({"stages": k, **r})
+    if not rows:
+        raise ValueError("no stage count fits the fleet's smallest device; add memory or stages")
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    return {"stages": best["stages"], "candidates": rows}
+
+
+def sweep(
+    fleet: Fleet,
+    profiles: dict[str, Profile],
+    n_stages: int,
+    *,
+    minutes: float,
+    seed: int = 0,
+) -> dict[str, list[dict[str, float]]]:
+    """Efficiency against the data centre as RTT, bandwidth, churn and replicas vary."""
+    dc_cache: dict[int, float] = {}
+
+    def eff(f: Fleet) -> float:
+        if f.n_peers not in dc_cache:
+            dc = simulate(data_centre(f), profiles, n_stages, minutes=minutes, seed=seed)
+            dc_cache[f.n_peers] = dc["tokens_per_s"]
+        r = simulate(f, profiles, n_stages, minutes=minutes, seed=seed)
+        return float(r["tokens_per_s"]) / max(dc_cache[f.n_peers], 1e-9)
+
+    def groups(**changes: Any) -> list[PeerGroup]:
+        return [dataclasses.replace(g, **changes) for g in fleet.groups]
+
+    out: dict[str, list[dict[str, float]]] = {"rtt_ms": [], "mbit": [], "churn": [], "replicas": []}
+    for rtt in (10.0, 40.0, 100.0, 200.0, 400.0):
+        f = dataclasses.replace(fleet, groups=groups(rtt_ms=(rtt, rtt)))
+        out["rtt_ms"].append({"x": rtt, "efficiency": eff(f)})
+    for mbit in (20.0, 80.0, 200.0, 1000.0):
+        f = dataclasses.replace(fleet, groups=groups(up_mbit=mbit, down_mbit=mbit))
+        out["mbit"].append({"x": mbit, "efficiency": eff(f)})
+    for session in (0.0, 480.0, 120.0, 30.0):
+        churn = dataclasses.replace(fleet.churn, mean_session_min=session)
+        f = dataclasses.replace(fleet, churn=churn)
+        rate = 60.0 / session if session else 0.0  # departures per peer-hour
+        out["churn"].append({"x": rate, "efficiency": eff(f)})
+    for reps in (1, 2, 4, 8, 16):
+        total = reps * n_stages
+        scale = total / fleet.n_peers
+        gs = [dataclasses.replace(g, count=max(1, round(g.count * scale))) for g in fleet.groups]
+        f = dataclasses.replace(fleet, groups=gs)
+        out["replicas"].append({"x": float(reps), "efficiency": eff(f)})
+    return out

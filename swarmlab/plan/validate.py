@@ -1,0 +1,184 @@
+"""`agora plan --validate`: the simulator against real swarms on this machine.
+
+A real node spends CPU that the stage profile (torch compute, `profile.measure_cpu`)
+does not see, and on a two-core machine that decides the throughput:
+- `msg_cpu_s`, CPU per end of a pipeline message (py-libp2p, msgpack, trio), is
+  calibrated from a real 2 x 1 swarm: each node process's CPU per micro-batch less its
+  torch compute, over the two ends of the one hop. 2 x 1 is not among the validated
+  shapes.
+- A node's outer process and p2p daemon take whatever CPU is free (measured: together
+  about one core per two nodes whatever the shape, the box always saturated). The
+  simulator counts them as one always-runnable thread per node (`node_bg_threads`),
+  which gives each of the 2 x 1 swarm's outer processes 2/3 of a core while both
+  workers run (measured: 0.66).
+
+Then each loopback shape (stages x replicas: 2x2, 3x2, 2x3) runs for real
+(`measure.measure_shape`: node defaults but rounds every `outer_every_steps`, so that a
+short window holds many) and in the simulator with the CPU profile measured here and
+every node on one host of this machine's cores. The shaped row is the 2x2 swarm with
+every node behind `bench.shaping_proxy` (80 Mbit/s, 20 ms each way), measured as
+`agora bench efficiency` does. Each row gives measured, predicted and the error of
+tokens/s, round time and re-route time (loopback rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from protocol.model_config import ModelConfig
+from swarmlab.plan.fleet import Churn, Fleet, NodeSettings, PeerGroup, Timings
+from swarmlab.plan.measure import measure_shape
+from swarmlab.plan.profile import Profile, measure_cpu
+from swarmlab.plan.sim import SwarmSim
+
+SHAPES = ((2, 2), (3, 2), (2, 3))
+STAGE_COUNTS = (2, 3)
+KILL_AFTER_S = 30.0  # simulated seconds after the window before the re-route kill
+LOOPBACK = {"up_mbit": 4000.0, "down_mbit": 4000.0, "rtt_ms": (0.2, 0.2)}
+SHAPED = {"up_mbit": 80.0, "down_mbit": 80.0, "rtt_ms": (40.0, 40.0)}
+METRICS = ("tokens_per_s", "round_s", "reroute_s")
+# the node settings of every validation swarm: defaults, but a round every 5 inner steps
+NODE = NodeSettings(outer_every_steps=5, codec="subspace_int4")
+Say = Callable[[str], None]
+
+
+def loopback_fleet(
+    stages: int, replicas: int, node: NodeSettings, link: dict[str, Any], timings: Timings
+) -> Fleet:
+    return Fleet(
+        groups=[PeerGroup(count=stages * replicas, device="cpu", host="local", **link)],
+        churn=Churn(),
+        timings=timings,
+        node=node,
+    )
+
+
+def _error(measured: float | None, predicted: float | None) -> float | None:
+    if not measured or predicted is None:
+        return None
+    return (predicted - measured) / measured
+
+
+def compare(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for k in METRICS:
+        m, p = measured.get(k), predicted.get(k)
+        row[k] = {"measured": m, "predicted": p, "error": _error(m, p)}
+    return row
+
+
+def predict_shape(
+    profile: Profile,
+    stages: int,
+    replicas: int,
+    node: NodeSettings,
+    link: dict[str, Any],
+    timings: Timings,
+    *,
+    window_s: float,
+    warmup_s: float,
+    reroute: bool,
+) -> dict[str, Any]:
+    fleet = loopback_fleet(stages, replicas, node, link, timings)
+    kill_at = warmup_s + window_s + KILL_AFTER_S
+    if reroute:
+        fleet = dataclasses.replace(fleet, churn=Churn(kills=((kill_at, 1),)))
+    sim = SwarmSim(fleet, {"cpu": profile}, stages)
+    sim.start([(fleet.groups[0], s) for s in range(stages) for _ in range(replicas)])
+    result = sim.measure(warmup_s, window_s)
+    if reroute:  # run on past the kill
+        sim.eng.run(kill_at + 120)
+        result["reroute_s"] = min(sim.reroutes) if sim.reroutes else None
+    return result
+
+
+def compute_per_mb(profile: Profile, node: NodeSettings) -> list[float]:
+    """Torch seconds per micro-batch of each stage, inner steps amortised."""
+    share = node.micro_batch * node.seq_len / node.inner_batch_tokens
+    return [c.fwd_s + c.bwd_s + c.step_s * share for c in profile.stages]
+
+
+def calibrate(node: NodeSettings, one: dict[str, Any], profile: Profile) -> dict[str, float]:
+    """`msg_cpu_s` from the 2 x 1 swarm `one` (a measure_shape result; `profile`: the
+    2-stage profile)."""
+    mb_rate = one["tokens_per_s"] / (node.micro_batch * node.seq_len)  # micro-batches/s
+    compute = compute_per_mb(profile, node)
+    extra = [one["cpu_s_per_s"][f"s{s}r0"][0] / mb_rate - compute[s] for s in range(2)]
+    return {"msg_cpu_s": max(0.0, sum(extra) / 2)}
+
+
+def measure_all(
+    model: ModelConfig, preset: str, *, window_s: float, warmup_s: float, shaped: bool, say: Say
+) -> dict[str, dict[str, Any]]:
+    """Every real swarm the validation needs: 2x1 (calibration), the loopback shapes and
+    (with `shaped`) the shaped 2x2; keyed by shape name."""
+    values = {"outer_every_steps": NODE.outer_every_steps}
+    out: dict[str, dict[str, Any]] = {}
+    # the stages' torch costs, on the idle machine just before the real swarms
+    out["profiles"] = {str(k): measure_cpu(model, k, NODE).to_dict() for k in STAGE_COUNTS}
+    with tempfile.TemporaryDirectory(prefix="agora-plan-") as tmp:
+        for stages, replicas in ((2, 1), *SHAPES):
+            name = f"{stages}x{replicas}"
+            say(f"real swarm {name} on loopback")
+            try:
+                out[name] = measure_shape(
+                    Path(tmp) / name, preset=preset, stages=stages, replicas=replicas,
+                    warmup_s=warmup_s, window_s=window_s, node_values=values,
+                    reroute=replicas > 1, say=say,
+                )  # fmt: skip
+            except (RuntimeError, TimeoutError) as exc:  # reported, and the rest still run
+                say(f"real swarm {name} failed: {str(exc)[:2000]}")
+                out[name] = {"error": str(exc)[:2000]}
+        if shaped:
+            say("real swarm 2x2 through the shaped link (80 Mbit/s, 40 ms RTT)")
+            out["2x2 shaped"] = measure_shaped(preset, Path(tmp) / "shaped", NODE, window_s)
+    out["window"] = {"window_s": window_s, "warmup_s": warmup_s}
+    return out
+
+
+def validate(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The simulator's predictions for each measured shape, with the errors."""
+    window_s, warmup_s = measured["window"]["window_s"], measured["window"]["warmup_s"]
+    profiles = {k: Profile.from_dict(measured["profiles"][str(k)]) for k in STAGE_COUNTS}
+    if "error" in measured["2x1"]:
+        raise ValueError(f"the 2x1 calibration swarm failed: {measured['2x1']['error']}")
+    cal = calibrate(NODE, measured["2x1"], profiles[2])
+    timings = Timings(host_cores=os.cpu_count() or 2, msg_cpu_s=cal["msg_cpu_s"])
+    rows = []
+    for name, link in [
+        *[(f"{s}x{r}", LOOPBACK) for s, r in SHAPES],
+        *([("2x2 shaped", SHAPED)] if "2x2 shaped" in measured else []),
+    ]:
+        stages, replicas = (int(x) for x in name.split()[0].split("x"))
+        if "error" in measured[name]:
+            rows.append({"shape": name, "error": measured[name]["error"]})
+            continue
+        predicted = predict_shape(
+            profiles[stages], stages, replicas, NODE, link, timings, window_s=window_s,
+            warmup_s=warmup_s, reroute=link is LOOPBACK,
+        )  # fmt: skip
+        rows.append({"shape": name, **compare(measured[name], predicted)})
+    return {
+        "rows": rows,
+        "calibration": cal,
+        "calibrated_on": "2x1",
+        "node_bg_threads": timings.node_bg_threads,
+        "measured": measured,
+    }
+
+
+def measure_shaped(
+    preset: str, workdir: Path, node: NodeSettings, window_s: float
+) -> dict[str, Any]:
+    from bench.efficiency import Shaping, measure_swarm
+
+    r = measure_swarm(
+        preset, workdir, warmup_s=20.0, window_s=window_s, shaping=Shaping(80.0, 20.0),
+        outer_every_steps=node.outer_every_steps, quiet=True,
+    )  # fmt: skip
+    return {"tokens_per_s": r["trained_tokens_per_s"], "round_s": None, "reroute_s": None}

@@ -1,0 +1,143 @@
+"""The swarm simulator against what can be worked out by hand, and its fleet files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmlab.plan.fleet import Churn, Fleet, NodeSettings, PeerGroup, Timings, fleet_from_dict
+from swarmlab.plan.profile import Profile, StageCost
+from swarmlab.plan.sim import SwarmSim
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def profile(fwd0: float = 0.1, bwd0: float = 0.2, last: float = 0.3) -> Profile:
+    return Profile(
+        device="cpu",
+        source="test",
+        stages=[
+            StageCost(fwd_s=fwd0, bwd_s=bwd0, step_s=0.0, fwd_bytes=1000, bwd_bytes=0, params=10),
+            StageCost(fwd_s=last, bwd_s=0.0, step_s=0.0, fwd_bytes=0, bwd_bytes=1000, params=10),
+        ],
+    )
+
+
+def fleet(count: int = 4, *, outer: int = 0, churn: Churn | None = None, host: str = "") -> Fleet:
+    return Fleet(
+        groups=[
+            PeerGroup(
+                count=count, device="cpu", up_mbit=1e4, down_mbit=1e4, rtt_ms=(0.0, 0.0), host=host
+            )  # fmt: skip
+        ],
+        churn=churn or Churn(),
+        timings=Timings(msg_cpu_s=0.0, host_cores=2),
+        node=NodeSettings(outer_every_steps=outer, in_flight=4),
+    )
+
+
+def run(f: Fleet, stages: list[int], seconds: float = 120.0, seed: int = 0) -> dict:
+    sim = SwarmSim(f, {"cpu": profile()}, 2, seed=seed)
+    sim.start([(f.groups[0], s) for s in stages])
+    return sim.measure(20.0, seconds)
+
+
+def test_dedicated_devices_reach_the_bottleneck_rate() -> None:
+    # each peer needs 0.3 s of its own device per micro-batch (stage 0: 0.1 + 0.2, the
+    # last stage: 0.3); two replicas per stage finish 2 / 0.3 micro-batches a second
+    r = run(fleet(), [0, 0, 1, 1])
+    tokens = 8 * 128
+    assert r["tokens_per_s"] == pytest.approx(2 / 0.3 * tokens, rel=0.05)
+    # without an outer loop a micro-batch commits as it finishes
+    assert r["committed_tokens_per_s"] == pytest.approx(r["tokens_per_s"], rel=0.05)
+
+
+@pytest.mark.parametrize(("background", "cores_for_workers"), [(0.0, 2.0), (1.0, 1.0)])
+def test_a_shared_host_is_cpu_bound(background: float, cores_for_workers: float) -> None:
+    # four nodes on two cores, 0.6 core-seconds per micro-batch; each node's outer
+    # process counted as `background` always-runnable threads takes its share
+    f = fleet(host="local")
+    f.timings.node_bg_threads = background
+    r = run(f, [0, 0, 1, 1])
+    assert r["tokens_per_s"] == pytest.approx(cores_for_workers / 0.6 * 8 * 128, rel=0.05)
+
+
+def test_outer_rounds_commit_in_lumps_and_time_rounds() -> None:
+    r = run(fleet(outer=5), [0, 0, 1, 1], seconds=300.0)
+    assert r["round_s"] is not None and r["round_s"] > 0
+    assert r["committed_tokens_per_s"] == pytest.approx(r["tokens_per_s"], rel=0.15)
+
+
+def test_a_kill_is_rerouted_and_its_work_continues() -> None:
+    f = fleet(churn=Churn(kills=((60.0, 1),)))
+    sim = SwarmSim(f, {"cpu": profile()}, 2)
+    sim.start([(f.groups[0], s) for s in (0, 0, 1, 1)])
+    sim.eng.run(59.0)
+    before = sim.stage0_trained
+    sim.eng.run(120.0)
+    assert sim.reroutes and min(sim.reroutes) < 1.0  # the retry goes to the survivor at once
+    assert sim.stage0_trained > before
+    assert sum(1 for p in sim.peers.values() if p.alive and p.stage == 1) == 1
+
+
+def test_a_dead_stage0_nodes_leases_expire_and_are_granted_again() -> None:
+    f = fleet(churn=Churn(kills=((30.0, 0),)))
+    sim = SwarmSim(f, {"cpu": profile()}, 2)
+    sim.start([(f.groups[0], s) for s in (0, 0, 1, 1)])
+    sim.eng.run(29.9)
+    dead = [p for p in sim.peers.values() if p.stage == 0][-1]  # the newest: kill_one's pick
+    sim.eng.run(30.5)
+    assert not dead.alive
+    held = sim.book.holder_leases(dead.pid)
+    assert held
+    sim.eng.run(30.0 + f.timings.lease_ttl_s + f.timings.heartbeat_s + 1)
+    assert not sim.book.holder_leases(dead.pid)  # expired by the sweep, not before the TTL
+
+
+def test_churn_replaces_leavers_and_the_same_seed_repeats() -> None:
+    f = fleet(count=6, churn=Churn(mean_session_min=1.0, startup_s=5.0))
+    a = run(f, [0, 0, 0, 1, 1, 1], seconds=300.0, seed=3)
+    b = run(f, [0, 0, 0, 1, 1, 1], seconds=300.0, seed=3)
+    assert a == b
+    assert a["departures"] > 5 and a["joins"] > 6 and a["tokens_per_s"] > 0
+
+
+def test_the_shipped_fleet_files_load() -> None:
+    from swarmlab.plan.fleet import load_fleet
+
+    f = load_fleet(REPO / "deploy/plan/consumer-330.toml")
+    assert f.n_peers == 330
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ({}, "at least one"),
+        ({"group": [{"count": 0}]}, "count=0"),
+        ({"group": [{"count": 1, "device": "tpu"}]}, "device='tpu'"),
+        ({"group": [{"count": 1, "rtt_ms": [50, 10]}]}, "rtt_ms"),
+        ({"group": [{"count": 1, "colour": "red"}]}, "unknown keys ['colour']"),
+        ({"group": [{"count": 1}], "timings": {"lease_ttl_s": 1.0}}, "twice heartbeat_s"),
+        ({"group": [{"count": 1}], "extra": {}}, "unknown tables"),
+    ],
+)
+def test_bad_fleets_are_refused_by_name(data: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=None) as info:
+        fleet_from_dict(data)
+    assert words in str(info.value)
+
+
+_values = st.one_of(st.integers(-5, 500), st.floats(allow_nan=True), st.text(max_size=5), st.lists(st.integers(-1, 300), max_size=3))  # fmt: skip
+_tables = st.dictionaries(st.sampled_from(["count", "device", "rtt_ms", "loss", "up_mbit", "x"]), _values, max_size=5)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["group", "churn", "node", "timings"]), st.one_of(_tables, st.lists(_tables, max_size=3)), max_size=4))  # fmt: skip
+def test_any_fleet_table_loads_or_is_refused_with_a_value_error(data: dict) -> None:
+    try:
+        fleet_from_dict(data)
+    except ValueError:
+        pass
