@@ -150,7 +150,11 @@ class CoordinatorConfig:
             if not ok:
                 raise ValueError(f"invalid coordinator config: {what}")
 
-        need(self.n_stages >= 1, f"n_stages must be >= 1, got {self.n_stages}")
+        need(
+            self.n_stages >= 2,
+            f"n_stages must be >= 2 (a pipeline; one stage is `agora baseline`), got"
+            f" {self.n_stages}",
+        )
         try:
             n_layers = preset(self.model_preset).n_layers
         except ValueError as exc:

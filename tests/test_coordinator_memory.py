@@ -145,6 +145,7 @@ def test_memory_fit_is_any_stage_for_a_node_that_reports_nothing() -> None:
     [
         ({"model_preset": "llama-7b"}, "unknown model preset 'llama-7b'"),
         ({"model_preset": "tiny", "n_stages": 5}, "at most the 4 layers of preset 'tiny'"),
+        ({"model_preset": "tiny", "n_stages": 1}, "one stage is `agora baseline`"),
         ({"model_preset": "tiny", "stage_layers": [1, 2]}, r"stage_layers=\[1, 2\] must give"),
         ({"model_preset": "tiny", "stage_layers": [1, "3"]}, "a list of layer counts"),
     ],

@@ -53,7 +53,7 @@ def test_a_gpu_fleet_prediction_writes_json_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     r = agora(
         "plan", "--model", "llama-125m", "--fleet", str(fleet), "--minutes", "4",
-        "--json", str(out), "--plots", str(tmp_path / "plots"),
+        "--sweep-minutes", "0.5", "--json", str(out), "--plots", str(tmp_path / "plots"),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -76,7 +76,7 @@ def test_a_cpu_fleet_uses_the_stages_measured_here(tmp_path: Path) -> None:
     fleet.write_text('[[group]]\ncount = 4\ndevice = "cpu"\nhost = "local"\n')
     out = tmp_path / "plan.json"
     r = agora(
-        "plan", "--model", "tiny", "--fleet", str(fleet), "--stages", "2", "--minutes", "1",
+        "plan", "--model", "tiny", "--fleet", str(fleet), "--stages", "2", "--minutes", "0.5",
         "--no-sweeps", "--json", str(out),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -83,7 +83,7 @@ class Timings:
     # (docs/reliability.md) (s)
     kill_detect_s: float = 0.25
     relay_rtt_ms: float = 60.0  # extra RTT through the relay (ms)
-    relay_mbit: float = 100.0  # the relay's bandwidth, shared (Mbit/s)
+    relay_mbit: float = 100.0  # cap on a relayed peer's bandwidth, each way (Mbit/s)
     host_cores: int = 2  # cores of a shared host (`PeerGroup.host`) (count)
     # CPU a node spends on each end of a pipeline message outside torch (py-libp2p,
     # msgpack, trio), serialised with its compute (s)

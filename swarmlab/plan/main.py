@@ -14,6 +14,7 @@ swarms against the simulator, with `--validate`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -61,7 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="small", help="model preset or TOML with [model]")
     p.add_argument("--fleet", type=Path, help="fleet TOML (groups, churn, timings, node)")
     p.add_argument("--stages", type=int, help="pipeline stages (default: the recommended)")
+    p.add_argument("--codec", help="boundary codec, overriding the fleet's [node] codec")
     p.add_argument("--minutes", type=float, default=20.0, help="simulated minutes per run")
+    p.add_argument(
+        "--sweep-minutes", type=float, help="simulated minutes per sweep point (default minutes/4)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds latencies, routing and churn")
     p.add_argument("--no-sweeps", action="store_true", help="skip the sweeps and plots")
     p.add_argument("--plots", type=Path, help="directory for the PNG plots")
@@ -87,10 +92,15 @@ def _say(text: str) -> None:
 
 def _print_prediction(pred: dict[str, Any]) -> None:
     rnd = pred["round_s"]
+    committed = (
+        f"{pred['committed_tokens_per_s']:,.0f}"
+        if pred["committed_tokens_per_s"]
+        else "none in the window (no outer round ended: run more --minutes)"
+    )
     print(
         f"prediction: {pred['stages']} stages x {pred['replicas_per_stage']:.1f} replicas\n"
         f"  tokens/s trained    {pred['tokens_per_s']:,.0f}\n"
-        f"  tokens/s committed  {pred['committed_tokens_per_s']:,.0f}\n"
+        f"  tokens/s committed  {committed}\n"
         f"  data centre         {pred['dc_tokens_per_s']:,.0f} tokens/s (same devices)\n"
         f"  efficiency          {pred['efficiency']:.2f}\n"
         f"  outer round         {'-' if rnd is None else f'{rnd:.1f} s'}\n"
@@ -149,6 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.fleet is None:
         return report
     fleet = load_fleet(args.fleet)
+    if args.codec:
+        fleet = dataclasses.replace(fleet, node=dataclasses.replace(fleet.node, codec=args.codec))
     t0 = time.monotonic()
     stages = args.stages
     if stages is None:
@@ -162,7 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_sweeps:
         _say("sweeping RTT, bandwidth, churn and replicas per stage")
         profiles = profiles_for(model, fleet, stages)
-        report["sweeps"] = sweep(fleet, profiles, stages, minutes=args.minutes / 4, seed=args.seed)
+        minutes = args.sweep_minutes or args.minutes / 4
+        report["sweeps"] = sweep(fleet, profiles, stages, minutes=minutes, seed=args.seed)
         if args.plots:
             title = f"{args.model}: {stages} stages, {fleet.n_peers} peers ({args.fleet.name})"
             report["plots"] = _plots(args.plots, report["sweeps"], title)
@@ -174,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.fleet is None and not (args.validate or args.measured):
         _parser().error("give --fleet FILE (a prediction) and/or --validate")
-    if args.stages is not None and args.stages < 1:
-        _parser().error(f"--stages must be >= 1, got {args.stages}")
+    if args.stages is not None and args.stages < 2:
+        _parser().error(f"--stages must be >= 2 (a pipeline), got {args.stages}")
     try:
         report = run(args)
     except ValueError as exc:

@@ -20,6 +20,7 @@ from swarmlab.plan.profile import Profile, device_profile, measure_cpu
 from swarmlab.plan.sim import SwarmSim
 
 DC_MBIT = 100_000.0  # a data centre's links (Mbit/s)
+DC_MINUTES = 10.0  # longest data-centre reference run (simulated minutes): its rate is steady
 DC_RTT_MS = 0.02  # and RTT (ms)
 GIB = 1 << 30
 
@@ -72,7 +73,8 @@ def predict(
 ) -> dict[str, Any]:
     profiles = profiles_for(model, fleet, n_stages)
     swarm = simulate(fleet, profiles, n_stages, minutes=minutes, seed=seed)
-    dc = simulate(data_centre(fleet), profiles, n_stages, minutes=minutes, seed=seed)
+    dc_minutes = min(minutes, DC_MINUTES)
+    dc = simulate(data_centre(fleet), profiles, n_stages, minutes=dc_minutes, seed=seed)
     swarm["dc_tokens_per_s"] = dc["tokens_per_s"]
     # trained, not committed, tokens: commits come in outer-round lumps (a round can be
     # longer than the window); over a long run the two agree
@@ -84,7 +86,7 @@ def predict(
 
 
 def fitting_stage_counts(model: ModelConfig, fleet: Fleet) -> list[int]:
-    """Stage counts (dividing the layers, at most one stage per peer) whose every stage
+    """Stage counts from 2 (dividing the layers, at most one stage per peer) whose every stage
     fits the smallest device of the fleet at the fleet's node settings."""
     n = fleet.node
     mem = min(DEVICES[g.device]["memory_gb"] if g.device != "cpu" else 1e9 for g in fleet.groups)
@@ -95,7 +97,7 @@ def fitting_stage_counts(model: ModelConfig, fleet: Fleet) -> list[int]:
         cuda=gpu, recompute=n.recompute,
     )  # fmt: skip
     out = []
-    for k in range(1, min(model.n_layers, fleet.n_peers) + 1):
+    for k in range(2, min(model.n_layers, fleet.n_peers) + 1):  # a pipeline: 2 or more
         if model.n_layers % k:
             continue
         if max(x.total for x in stage_needs(model, k, settings)) <= mem * GIB:
@@ -132,7 +134,9 @@ def sweep(
 
     def eff(f: Fleet) -> float:
         if f.n_peers not in dc_cache:
-            dc = simulate(data_centre(f), profiles, n_stages, minutes=minutes, seed=seed)
+            dc = simulate(
+                data_centre(f), profiles, n_stages, minutes=min(minutes, DC_MINUTES), seed=seed
+            )
             dc_cache[f.n_peers] = dc["tokens_per_s"]
         r = simulate(f, profiles, n_stages, minutes=minutes, seed=seed)
         return float(r["tokens_per_s"]) / max(dc_cache[f.n_peers], 1e-9)

@@ -11,6 +11,7 @@ Two sources, each labelled in every report:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ import numpy as np
 import torch
 
 from node.compression import SUBSPACE_CODECS, BoundaryCodec, wire_size
-from node.model import build_stage
 from node.stage_compute import InnerConfig, StageCompute
+from node.subspace import Subspace, make_subspace
 from protocol.model_config import ModelConfig
 from swarmlab.plan.fleet import DEVICE_SOURCE, DEVICES, NodeSettings
 
@@ -125,12 +126,20 @@ def measure_cpu(model: ModelConfig, n_stages: int, node: NodeSettings, *, reps: 
     )
 
 
+@functools.lru_cache(maxsize=4)
+def _subspace(model: ModelConfig) -> Subspace:
+    """The run's basis (seconds to derive at 8B scale: kept for the next stage count)."""
+    return make_subspace(model.seed, model.d_model, model.subspace_rank, model.vocab_size)
+
+
 def codec_bytes(model: ModelConfig, n_stages: int, node: NodeSettings) -> tuple[int, int]:
     """(Forward, backward) wire bytes of one micro-batch at a boundary, from the real codec
     run on random activations of the boundary's shape (one sequence, scaled up)."""
     sub = None
     if node.codec in SUBSPACE_CODECS:
-        sub = build_stage(model, 0, n_stages).subspace
+        if not model.subspace_rank:
+            raise ValueError(f"codec {node.codec} needs a model with subspace_rank > 0")
+        sub = _subspace(model)
     codec = BoundaryCodec(node.codec, model.d_model, sub)
     seq = min(node.seq_len, 256)
     tok = torch.randint(0, 256, (1, seq))

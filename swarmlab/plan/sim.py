@@ -5,19 +5,21 @@
 - routing: each peer's own `node.routing.Router` (lowest expected finish time, bans,
   down marks revived by the membership), fed with simulated round trips;
 - data: the coordinator's `LeaseBook` (grants of `grant_tokens`, renewals by heartbeat,
-  expiry, fencing); stage 0 keeps `lease_pool` leases open and commits a lease's trained
-  prefix when the outer round that covers it is applied (at once without an outer loop);
+  expiry, fencing); stage 0 keeps `LEASE_POOL` leases open (at most `MAX_LEASES` active,
+  then it asks for an early round) and commits a lease's trained prefix when the outer
+  round that covers it is applied (at once without an outer loop);
 - the pipeline as the node runs it: stage 0 keeps `in_flight` micro-batches in the
   pipeline; each stage's forward, then the last stage's loss and backward, then each
-  backward on the way back, on the node's one FIFO torch worker; an inner step every
-  `inner_batch_tokens`; a failed request is retried at once through another replica;
+  backward on the way back, on the node's one torch worker in the `WorkerGate`'s order;
+  an inner step every `inner_batch_tokens`; a failed request is retried at once through
+  another replica;
 - outer rounds: every `outer_every_steps` inner steps (or after a quarter of them, to join
   a replica already forming a group), a group of the stage's replicas forms within
   `outer_matchmaking_s`, exchanges a reduce-scatter and all-gather of the compressed
   stage (2 (g-1)/g of it each way per member) and merges the result on the worker.
   Training goes on meanwhile;
-- churn: sessions end by a clean leave, a SIGKILL (callers see a reset within one RTT)
-  or a vanished host (callers wait for the request timeout); each leaver is replaced by a
+- churn: sessions end by a clean leave, a SIGKILL (callers see a reset `kill_detect_s`
+  plus one RTT later) or a vanished host (callers wait for the request timeout); each leaver is replaced by a
   new peer of its group after `startup_s` plus the download of the stage's state.
 """
 
@@ -403,7 +405,7 @@ class SwarmSim:
         now = self.eng.now
         others = [x for x in self.view.get(p.stage, []) if x != p.pid and x in self.peers]
         if not others:
-            self._apply_round(p, 1)
+            self._apply_round(p)
             return
         g = self.forming.get(p.stage)
         if g is None or g.closed:
@@ -434,7 +436,7 @@ class SwarmSim:
         n = len(members)
         if n <= 1:
             for m in members:
-                self._apply_round(m, 1)
+                self._apply_round(m)
             return
         params = members[0].profile.stages[g.stage].params
         each_way = int(2 * params * self.node.outer_bytes_per_param * (n - 1) / n)
@@ -447,11 +449,11 @@ class SwarmSim:
 
         def applied() -> None:
             for m in members:
-                self._apply_round(m, n)
+                self._apply_round(m)
 
         self.eng.after(duration, applied)
 
-    def _apply_round(self, p: SimPeer, group_size: int) -> None:
+    def _apply_round(self, p: SimPeer) -> None:
         if not p.alive:
             return
         c = p.profile.stages[p.stage]
