@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _say("sweeping RTT, bandwidth, churn and replicas per stage")
         profiles = profiles_for(model, fleet, stages)
         minutes = args.sweep_minutes or args.minutes / 4
-        report["sweeps"] = sweep(fleet, profiles, stages, minutes=minutes, seed=args.seed)
+        report["sweeps"] = sweep(fleet, profiles, stages, minutes=minutes, seed=args.seed, say=_say)
         if args.plots:
             title = f"{args.model}: {stages} stages, {fleet.n_peers} peers ({args.fleet.name})"
             report["plots"] = _plots(args.plots, report["sweeps"], title)

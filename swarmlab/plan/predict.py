@@ -128,6 +128,7 @@ def sweep(
     *,
     minutes: float,
     seed: int = 0,
+    say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, list[dict[str, float]]]:
     """Efficiency against the data centre as RTT, bandwidth, churn and replicas vary."""
     dc_cache: dict[int, float] = {}
@@ -148,18 +149,22 @@ def sweep(
     for rtt in (10.0, 40.0, 100.0, 200.0, 400.0):
         f = dataclasses.replace(fleet, groups=groups(rtt_ms=(rtt, rtt)))
         out["rtt_ms"].append({"x": rtt, "efficiency": eff(f)})
+        say(f"  rtt_ms {rtt:g}: efficiency {out['rtt_ms'][-1]['efficiency']:.3f}")
     for mbit in (20.0, 80.0, 200.0, 1000.0):
         f = dataclasses.replace(fleet, groups=groups(up_mbit=mbit, down_mbit=mbit))
         out["mbit"].append({"x": mbit, "efficiency": eff(f)})
+        say(f"  mbit {mbit:g}: efficiency {out['mbit'][-1]['efficiency']:.3f}")
     for session in (0.0, 480.0, 120.0, 30.0):
         churn = dataclasses.replace(fleet.churn, mean_session_min=session)
         f = dataclasses.replace(fleet, churn=churn)
         rate = 60.0 / session if session else 0.0  # departures per peer-hour
         out["churn"].append({"x": rate, "efficiency": eff(f)})
+        say(f"  churn {rate:g}: efficiency {out['churn'][-1]['efficiency']:.3f}")
     for reps in (1, 2, 4, 8, 16):
         total = reps * n_stages
         scale = total / fleet.n_peers
         gs = [dataclasses.replace(g, count=max(1, round(g.count * scale))) for g in fleet.groups]
         f = dataclasses.replace(fleet, groups=gs)
         out["replicas"].append({"x": float(reps), "efficiency": eff(f)})
+        say(f"  replicas {float(reps):g}: efficiency {out['replicas'][-1]['efficiency']:.3f}")
     return out
