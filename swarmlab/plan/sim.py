@@ -290,8 +290,8 @@ class SwarmSim:
         if p.stage == self.n_stages - 1:
             self._trained_tokens(p)
             self._reply(req)
-        else:
-            self._send(p, mb, req)
+        else:  # a retried micro-batch stays retried downstream (Forward.retry)
+            self._send(p, mb, req, retry=req is not None and req.retry)
 
     def _send(
         self,
