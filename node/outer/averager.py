@@ -46,7 +46,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from node.diloco import DilocoConfig
 from node.outer.all_gather import AllGatherRounds, _Exchange
-from node.outer.parts import MAX_ADDR, MAX_ADDRS, NO_METADATA, checked_gathered
+from node.outer.parts import MAX_ADDRS, NO_METADATA, addrs_ok, checked_gathered
 from node.outer.reduce_scatter import ReduceScatterRounds, _Round
 from node.outer.settings import AVERAGINGS
 from node.outer.state_download import StateDownload, state_digest
@@ -175,9 +175,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         out: dict[PeerID, list[str]] = {}
         for key, info in entries.items() if isinstance(entries, dict) else ():
             v = info.value if isinstance(info, ValueWithExpiration) else None
-            if type(v) is not list or not 0 < len(v) <= MAX_ADDRS:
-                continue
-            if any(type(a) is not str or not 0 < len(a) <= MAX_ADDR for a in v):
+            if not v or not addrs_ok(v):
                 continue
             try:
                 out[PeerID(key)] = list(v)

@@ -130,12 +130,19 @@ def checked_gathered(raw: Any) -> dict[str, Any]:
         return dict(NO_METADATA)
     if type(raw["digest"]) is not str or len(raw["digest"]) > MAX_DIGEST:
         return dict(NO_METADATA)
-    addrs = raw["addrs"]
-    if type(addrs) is not list or len(addrs) > MAX_ADDRS:
-        return dict(NO_METADATA)
-    if any(type(a) is not str or not 0 < len(a) <= MAX_ADDR for a in addrs):
+    if not addrs_ok(raw["addrs"]):
         return dict(NO_METADATA)
     return {**raw, "ref_norm": norm}
+
+
+def addrs_ok(addrs: object) -> bool:
+    """A peer's announced addresses: a list of at most MAX_ADDRS non-empty strings of at
+    most MAX_ADDR characters (untrusted input, checked before use)."""
+    return (
+        type(addrs) is list
+        and len(addrs) <= MAX_ADDRS
+        and all(type(a) is str and 0 < len(a) <= MAX_ADDR for a in addrs)
+    )
 
 
 def group_ref_norm(gathered: Sequence[dict[str, Any]]) -> float:

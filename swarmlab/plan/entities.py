@@ -23,22 +23,18 @@ class SimPeer:
     link: Link
     router: Router
     alive: bool = True
-    leaving: bool = False
     serving: dict[Req, None] = field(default_factory=dict)  # open requests to it, in order
     pending_tokens: int = 0
     steps: int = 0  # inner steps since the last round began
     in_round: bool = False
     round_times: list[float] = field(default_factory=list)
     leases: dict[int, LeaseState] = field(default_factory=dict)  # stage 0 only
-    in_flight: int = 0  # stage 0: micro-batches in the pipeline
-    trained: int = 0  # stage 0: tokens finished backward for
 
 
 @dataclass(eq=False, slots=True)
 class LeaseState:
     lease_id: int
     epoch: int
-    start: int  # committed offset when granted
     limit: int
     next: int  # next token offset to hand out
     done: set[tuple[int, int]] = field(default_factory=set)  # trained ranges past the prefix
@@ -52,7 +48,6 @@ class MicroBatch:
     origin: SimPeer
     lease: LeaseState
     span: tuple[int, int]
-    failed: bool = False  # some request of it failed (for the re-route time)
 
 
 @dataclass(eq=False, slots=True)

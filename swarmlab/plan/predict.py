@@ -46,14 +46,10 @@ def simulate(
     minutes: float,
     warmup_s: float = 60.0,
     seed: int = 0,
-    stages_of: list[int | None] | None = None,
 ) -> dict[str, Any]:
-    """Run the fleet for warm-up + `minutes`; `stages_of` pins each peer's stage (in group
-    order; None: the coordinator's placement)."""
+    """Run the fleet, placed by the coordinator's rule, for warm-up + `minutes`."""
     sim = SwarmSim(fleet, profiles, n_stages, seed=seed)
-    peers = [g for g in fleet.groups for _ in range(g.count)]
-    pins = stages_of or [None] * len(peers)
-    sim.start(list(zip(peers, pins, strict=True)))
+    sim.start([(g, None) for g in fleet.groups for _ in range(g.count)])
     return sim.measure(warmup_s, minutes * 60)
 
 

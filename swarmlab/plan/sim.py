@@ -229,7 +229,7 @@ class SwarmSim:
             if lease is None:
                 break
             ls = LeaseState(
-                lease_id=lease.lease_id, epoch=lease.epoch, start=lease.committed,
+                lease_id=lease.lease_id, epoch=lease.epoch,
                 limit=lease.limit, next=lease.committed, prefix=lease.committed,
                 mark=lease.committed, committed=lease.committed,
             )  # fmt: skip
@@ -238,7 +238,7 @@ class SwarmSim:
         return self.rng.choice(open_) if open_ else None
 
     def _start_mb(self, p: SimPeer) -> None:
-        if not p.alive or p.leaving:
+        if not p.alive:
             return
         ls = self._lease_with_room(p)
         if ls is None:
@@ -247,14 +247,11 @@ class SwarmSim:
         end = min(ls.limit, ls.next + self.mb_tokens)
         mb = MicroBatch(origin=p, lease=ls, span=(ls.next, end))
         ls.next = end
-        p.in_flight += 1
         c = p.profile.stages[0]
         p.worker.submit(c.fwd_s, lambda: self._forwarded(p, mb, None))
 
     def _mb_done(self, p: SimPeer, mb: MicroBatch) -> None:
-        p.in_flight -= 1
         n = mb.span[1] - mb.span[0]
-        p.trained += n
         self.stage0_trained += n
         ls = mb.lease
         ls.done.add(mb.span)
@@ -371,7 +368,6 @@ class SwarmSim:
         if not p.alive:
             return
         p.router.failed(req.callee.pid, self.eng.now, unreachable=unreachable)
-        req.mb.failed = True
         self._send(p, req.mb, req.parent, frozenset({req.callee.pid}), retry=True)
 
     # --- inner steps and outer rounds ----------------------------------------------------

@@ -90,16 +90,20 @@ def predict_shape(
     kill_at = warmup_s + window_s + KILL_AFTER_S
     if reroute:
         fleet = dataclasses.replace(fleet, churn=Churn(kills=((kill_at, 1),)))
-    sim = SwarmSim(fleet, {"cpu": profile}, stages)
-    sim.start([(fleet.groups[0], s) for s in range(stages) for _ in range(replicas)])
+
+    def started(f: Fleet, seed: int) -> SwarmSim:
+        sim = SwarmSim(f, {"cpu": profile}, stages, seed=seed)
+        sim.start([(f.groups[0], s) for s in range(stages) for _ in range(replicas)])
+        return sim
+
+    sim = started(fleet, 0)
     result = sim.measure(warmup_s, window_s)
     if reroute:  # run on past the kill; the other trials kill at other moments
         sim.eng.run(kill_at + 120)
         times = [min(sim.reroutes)] if sim.reroutes else []
         for trial in range(1, REROUTE_TRIALS):
             again = dataclasses.replace(fleet, churn=Churn(kills=((kill_at + trial * 0.37, 1),)))
-            other = SwarmSim(again, {"cpu": profile}, stages, seed=trial)
-            other.start([(fleet.groups[0], s) for s in range(stages) for _ in range(replicas)])
+            other = started(again, trial)
             other.eng.run(kill_at + trial * 0.37 + 120)
             times += [min(other.reroutes)] if other.reroutes else []
         result["reroute_trials_s"] = times
