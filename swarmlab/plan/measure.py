@@ -6,11 +6,17 @@ node defaults: outer loop on), and reads, as an operator would:
   steady-state window that starts `warmup_s` after the first trained micro-batch;
 - **round time**: the mean gap between consecutive `round_applied` events of each
   replica (node events), over the window;
-- **re-route time**: after the window, the newest replica of stage 1 is SIGKILLed; the
-  time from the kill to the first `forward_rerouted` event of a stage-0 node (the first
-  micro-batch that failed through the victim and came back through a survivor; only
-  stage 0 writes the event). A fresh replica replaces it and serves before the next of
-  `reroute_trials` kills; the median is reported, every trial kept.
+- **re-route time**: after the window, the longest-serving replica of stage 1 is
+  SIGKILLed; the time from the kill to the first `forward_rerouted` event of a stage-0
+  node (the first micro-batch that failed through the victim and came back, trained,
+  through a survivor; only stage 0 writes the event, after its backward). A fresh
+  replica replaces it; before the next of `reroute_trials` kills the swarm settles: the
+  replacement serves and has applied an outer round, so its start-up (imports, model
+  build, outer process and DHT join: several CPU-seconds on this box) is not measured
+  as re-route time. The victim is never that replacement: a replica that has just
+  joined may carry no micro-batch yet (the router rates it by its slow first replies),
+  and killing it would time how long until a sender next picks it, not a re-route. The
+  median is reported, every trial kept.
 """
 
 from __future__ import annotations
@@ -59,10 +65,10 @@ def _round_gaps(sw: LocalSwarm, names: list[str], t0: float, t1: float) -> list[
 
 
 def _reroute_trial(sw: LocalSwarm, names: dict[int, list[str]], trial: int, say: Any) -> float:
-    """SIGKILL stage 1's newest replica; seconds until a stage-0 node's first
-    `forward_rerouted`. Then a fresh replica takes its place and must serve before the
-    next trial."""
-    victim = names[1].pop()
+    """SIGKILL stage 1's longest-serving replica; seconds until a stage-0 node's first
+    `forward_rerouted`. Then a fresh replica takes its place and must serve and apply an
+    outer round before the next trial."""
+    victim = names[1].pop(0)
     t_kill = time.time()
     sw.nodes[victim].signal(signal.SIGKILL)
     sw.nodes[victim].popen.wait(10)
@@ -86,6 +92,11 @@ def _reroute_trial(sw: LocalSwarm, names: dict[int, list[str]], trial: int, say:
     sw.wait_for(
         lambda: sw.scrape(fresh).get("agora_p2p_served_total", 0.0) > 0,
         f"the replacement {fresh} serving",
+        180,
+    )
+    sw.wait_for(
+        lambda: bool(sw.events(fresh, "round_applied")),
+        f"the replacement {fresh} applying an outer round",
         180,
     )
     return seconds

@@ -344,13 +344,13 @@ class SwarmSim:
         if not p.alive:
             return
         p.router.succeeded(q.pid, self.eng.now - req.sent_at, self.eng.now)
-        if req.retry and self.kill_times:  # the node's forward_rerouted event
-            self.reroutes.append(self.eng.now - self.kill_times[-1])
         c = p.profile.stages[p.stage]
 
         def backward_done() -> None:
             self._trained_tokens(p)
             if p.stage == 0:
+                if req.retry and self.kill_times:  # the node's forward_rerouted event
+                    self.reroutes.append(self.eng.now - self.kill_times[-1])
                 self._mb_done(p, req.mb)
             else:
                 self._reply(req.parent)

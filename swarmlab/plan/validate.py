@@ -40,7 +40,7 @@ from swarmlab.plan.sim import SwarmSim
 SHAPES = ((2, 2), (3, 2), (2, 3))
 STAGE_COUNTS = (2, 3)
 KILL_AFTER_S = 30.0  # simulated seconds after the window before the re-route kill
-REROUTE_TRIALS = 3  # kills per shape, real and simulated (the median is compared)
+REROUTE_TRIALS = 5  # kills per shape, real and simulated (the median is compared)
 LOOPBACK = {"up_mbit": 4000.0, "down_mbit": 4000.0, "rtt_ms": (0.2, 0.2)}
 SHAPED = {"up_mbit": 80.0, "down_mbit": 80.0, "rtt_ms": (40.0, 40.0)}
 METRICS = ("tokens_per_s", "round_s", "reroute_s")
