@@ -13,14 +13,21 @@ One invocation measures, one after another on the same machine:
    `ratio_*_vs_N_threads` by the N-thread run alone; `cpu_ratio_*` compares tokens per
    CPU-second with the 1-thread run (the swarm's overhead, whatever the load);
 2. **swarm on loopback**: `LocalSwarm`, a coordinator and 2 stages x 2 replicas, one
-   torch thread each (4 threads on the same cores), default node settings. Tokens/s is
-   the coordinator's committed tokens over a steady-state window (`--window-s` seconds,
-   starting `--warmup-s` after the first commit);
-3. **swarm through a shaped link**: the same, with every node and the coordinator
-   behind `bench.shaping_proxy` (userspace: this kernel has no sch_netem, so netem in a
-   network namespace is not available), 80 Mbit/s and 20 ms each way (40 ms RTT) by
-   default. Nodes announce the proxy's port (`bench.shaped_node`), so all data-plane and
-   control-plane traffic crosses the emulated link once per direction.
+   torch thread each (4 threads on the same cores), the node's default settings, the
+   DiLoCo outer loop included (`outer_every_steps` 25 today; `--outer-every-steps`
+   overrides it, 0 turns it off). Tokens/s is measured over a steady-state window
+   (`--window-s` seconds, starting `--warmup-s` after the first trained micro-batch): the
+   stage-0 replicas' trained tokens with the outer loop on (commits then come in
+   outer-round lumps), the coordinator's committed tokens without it;
+3. **swarm through a shaped link**: the same, with the coordinator and every node behind
+   a link of its own in `bench.shaping_proxy` (userspace: this kernel has no sch_netem,
+   so netem in a network namespace is not available), 80 Mbit/s per direction and 20 ms
+   each way (40 ms RTT) by default. A node's uplink carries everything it sends, to any
+   peer, from any of its processes: its data plane and its outer loop's DHT both listen
+   on real ports and announce the proxy's (the node settings `announce` and
+   `outer_announce`), the proxy charges a connection to the host whose processes opened
+   it, and the JSON lists any connection that reached a real port without the proxy
+   (`connections_bypassing_the_link`, should be empty).
 
 4. **fault-tolerance overhead** (`--ft-overhead`, on by default; `--ft-only` runs only
    it): two swarms at once on the same cores, one with heartbeats, leases, commits and
@@ -30,11 +37,12 @@ One invocation measures, one after another on the same machine:
    swarm's stage-0 trained tokens/s is, over one window and per interval
    (bench/efficiency_ft.py says exactly how it is measured).
 
-It also reads where the time goes: CPU seconds of every process over the window, the
+It also reads where the time goes: CPU seconds over the window of the coordinator and of
+each node with every process under it (outer-loop process, hivemind DHT, p2p daemon; the
+proxy's are reported but not counted as the swarm's), the
 stage-0 micro-batch round trip (`agora_node_microbatch_seconds`), retries, boundary wire
 bytes, and the 1-thread centralised rate (two cores of perfect pipelining would give
-twice it). `--outer-every-steps` (default 0) sets the nodes' DiLoCo outer loop; with it
-on, commits come in outer-round lumps and the swarm rate is the stage-0 trained tokens.
+twice it), and the outer rounds the nodes applied in the window.
 
 `--preset small` (default) is the demo's model; `tiny` is sized for tests (a few ms of
 compute per micro-batch), so fixed per-micro-batch costs dominate it: a worst case.
@@ -54,12 +62,24 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.efficiency_ft import add_arguments as add_ft_arguments
 from bench.efficiency_ft import cpu_seconds, measure_ft_overhead, say
 from protocol.pinning import parse_address
 
 NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
 SEQ_LEN = 128  # tokens per sequence, as the nodes' default
+PROXY = "shaping proxy"  # its CPU is the emulated network's, not the swarm's
+
+
+def _outer_every_steps(flag: int | None) -> int:
+    """The nodes' outer_every_steps: the flag's, else the node's default."""
+    from node.config import NodeConfig
+
+    default = NodeConfig.__dataclass_fields__["outer_every_steps"].default
+    assert isinstance(default, int)
+    return default if flag is None else flag
 
 
 _say = say
@@ -111,22 +131,26 @@ _cpu_seconds = cpu_seconds
 
 @dataclass
 class Shaping:
-    rate_mbit: float  # Mbit/s per direction
+    rate_mbit: float  # Mbit/s per direction of each host's link
     delay_ms: float  # one-way delay, ms
     proxy: subprocess.Popen[bytes] | None = None
     stats_file: Path | None = None
-    routes: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (real, announced)
+    owners_file: Path | None = None
+    owners: dict[str, int] = field(default_factory=dict)  # host -> root pid
+    real_ports: set[int] = field(default_factory=set)  # ports only the proxy should dial
 
 
-def _start_proxy(sh: Shaping, workdir: Path, routes: list[tuple[int, int]]) -> None:
+def _start_proxy(sh: Shaping, workdir: Path, routes: list[str]) -> None:
     from swarmlab.procs import child_env, wait_for
 
     ready = workdir / "proxy.ready"
     sh.stats_file = workdir / "proxy-stats.json"
+    sh.owners_file = workdir / "proxy-owners.json"
+    _write_owners(sh)
     args = [sys.executable, "-m", "bench.shaping_proxy",
             "--rate-mbit", str(sh.rate_mbit), "--delay-ms", str(sh.delay_ms),
             "--ready-file", str(ready), "--stats", str(sh.stats_file),
-            *[f"--route={a}={r}" for r, a in routes]]  # fmt: skip
+            "--owners", str(sh.owners_file), *[f"--route={r}" for r in routes]]  # fmt: skip
     log = (workdir / "proxy.log").open("ab")
     proxy = sh.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env())
     log.close()
@@ -139,41 +163,62 @@ def _start_proxy(sh: Shaping, workdir: Path, routes: list[tuple[int, int]]) -> N
     wait_for(started, "the shaping proxy to start", 30)
 
 
-def _add_shaped_node(
-    sw: Any, name: str, stage: int, coordinator: str, real: int, ann: int, config: Path
-) -> None:
-    """Like LocalSwarm.add_node, but through bench.shaped_node (announcing the proxy port)."""
-    from swarmlab.procs import Proc, child_env, free_port, spawn
-
-    metrics_port = free_port()
-    env = child_env()
-    env["AGORA_ANNOUNCE_PORTS"] = f"{real}={ann}"
-    log = sw.workdir / f"{name}.log"
-    popen = spawn(
-        log,
-        ["-m", "bench.shaped_node",
-         "--coordinator", coordinator,
-         "--identity", str(sw.workdir / f"{name}.key"),
-         "--metrics-port", str(metrics_port),
-         "--events", str(sw.events_path(name)),
-         "--listen", f"/ip4/127.0.0.1/tcp/{real}",
-         "--config", str(config),
-         "--stage", str(stage)],
-        cwd=sw.workdir, env=env,
-    )  # fmt: skip
-    sw.nodes[name] = Proc(name, popen, log, metrics_port, stage)
+def _write_owners(sh: Shaping) -> None:
+    assert sh.owners_file is not None
+    tmp = sh.owners_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(sh.owners))
+    tmp.replace(sh.owners_file)
 
 
-def _node_config(sw: Any, outer_every_steps: int) -> Path:
-    """A node TOML for every swarm node (the outer-loop setting where the node has it)."""
-    from node.config import NodeConfig
+def _node_values(outer_every_steps: int | None) -> dict[str, Any]:
+    """The node settings every swarm node gets: the node's defaults, but for the outer
+    loop's round length when the bench is given one."""
+    return {} if outer_every_steps is None else {"outer_every_steps": outer_every_steps}
 
-    values: dict[str, Any] = {}
-    if "outer_every_steps" in NodeConfig.__dataclass_fields__:
-        values["outer_every_steps"] = outer_every_steps
-    elif outer_every_steps:
-        raise ValueError("this node has no outer loop setting (outer_every_steps)")
-    return Path(sw.write_node_config(**values))
+
+def _start_shaped(sw: Any, sh: Shaping, workdir: Path, outer_every_steps: int | None) -> None:
+    """The coordinator and every node behind its own link: each node's data plane and
+    outer-loop DHT listen on real ports and announce the proxy's (node settings
+    `announce` and `outer_announce`), so all they send crosses their link."""
+    from swarmlab.procs import free_port
+
+    coord = parse_address(sw.address)
+    coord_ann = free_port()
+    routes = [f"coordinator:{coord_ann}={coord.port}"]
+    sh.real_ports.add(coord.port)
+    assert sw.coordinator is not None
+    sh.owners["coordinator"] = sw.coordinator.popen.pid
+    configs = {}
+    for name, _ in NODES:
+        real, ann, outer_real, outer_ann = (free_port() for _ in range(4))
+        routes += [f"{name}:{ann}={real}", f"{name}:{outer_ann}={outer_real}"]
+        sh.real_ports |= {real, outer_real}
+        values = _node_values(outer_every_steps) | {
+            "listen": f"/ip4/127.0.0.1/tcp/{real}",
+            "announce": [f"/ip4/127.0.0.1/tcp/{ann}"],
+            "outer_port": outer_real,
+            "outer_announce": [f"/ip4/127.0.0.1/tcp/{outer_ann}"],
+        }
+        configs[name] = sw.write_node_config(name, **values)
+    _start_proxy(sh, workdir, routes)
+    sw.address = str(replace(coord, port=coord_ann))  # the nodes dial the coordinator's link
+    for name, stage in NODES:
+        sh.owners[name] = sw.add_node(name, stage, "--config", str(configs[name])).popen.pid
+        _write_owners(sh)
+
+
+def _bypassing(sh: Shaping) -> list[str]:
+    """Established connections to a real (unannounced) port from a process other than
+    the proxy: traffic that did not cross an emulated link (should be none)."""
+    proxy_pid = sh.proxy.pid if sh.proxy is not None else None
+    return [
+        f"pid {c.pid} -> port {c.raddr[1]}"
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_ESTABLISHED
+        and c.raddr
+        and c.raddr[1] in sh.real_ports
+        and c.pid != proxy_pid
+    ]
 
 
 def _histogram(scraped: dict[str, float], name: str) -> tuple[float, float]:
@@ -205,35 +250,22 @@ def measure_swarm(
     warmup_s: float,
     window_s: float,
     shaping: Shaping | None,
-    outer_every_steps: int,
+    outer_every_steps: int | None,
     quiet: bool,
 ) -> dict[str, Any]:
-    from swarmlab.procs import free_port
     from swarmlab.swarm import LocalSwarm
 
     workdir.mkdir(parents=True, exist_ok=True)
     sw = LocalSwarm(workdir=workdir, preset=preset, stages=2)
-    config = _node_config(sw, outer_every_steps)
-    sw.node_args = ["--config", str(config)]
+    outer_on = _outer_every_steps(outer_every_steps) > 0
     try:
         sw.start_coordinator()
         if shaping is None:
+            config = sw.write_node_config(**_node_values(outer_every_steps))
             for name, stage in NODES:
-                sw.add_node(name, stage)
+                sw.add_node(name, stage, "--config", str(config))
         else:
-            coord = parse_address(sw.address)
-            coord_real = coord.port
-            coord_ann = free_port()
-            routes = [(coord_real, coord_ann)]
-            for name, _ in NODES:
-                shaping.routes[name] = (free_port(), free_port())
-                routes.append(shaping.routes[name])
-            _start_proxy(shaping, workdir, routes)
-            for name, stage in NODES:
-                real, ann = shaping.routes[name]
-                _add_shaped_node(
-                    sw, name, stage, str(replace(coord, port=coord_ann)), real, ann, config
-                )
+            _start_shaped(sw, shaping, workdir, outer_every_steps)
         _say("swarm starting (4 nodes import torch and build their stages)", quiet)
         sw.wait_for(
             lambda: _stage0_snapshot(sw)["trained"] > 0, "the first trained micro-batch", 240
@@ -248,7 +280,7 @@ def measure_swarm(
         assert sw.coordinator is not None
         pids["coordinator"] = sw.coordinator.popen.pid
         if shaping is not None and shaping.proxy is not None:
-            pids["proxy"] = shaping.proxy.pid
+            pids[PROXY] = shaping.proxy.pid
         st0, t0 = sw.status(), time.monotonic()
         cpu0 = {n: _cpu_seconds(p) for n, p in pids.items()}
         snap0 = _stage0_snapshot(sw)
@@ -258,6 +290,8 @@ def measure_swarm(
         cpu1 = {n: _cpu_seconds(p) for n, p in pids.items()}
         snap1 = _stage0_snapshot(sw)
         losses = {n: sw.scrape(n).get("agora_node_loss") for n, s in NODES if s == 0}
+        rounds = sum(sw.scrape(n).get("agora_node_outer_steps_total", 0.0) for n, _ in NODES)
+        bypassing = _bypassing(shaping) if shaping is not None else []
         codes = sw.stop()
         _say(f"swarm stopped: exit codes {codes}", quiet)
     finally:
@@ -273,7 +307,7 @@ def measure_swarm(
     tokens = st1.committed_tokens - st0.committed_tokens
     mbs = snap1["mb_count"] - snap0["mb_count"]
     trained = snap1["trained"] - snap0["trained"]
-    committed_or_trained = trained if outer_every_steps else tokens
+    committed_or_trained = trained if outer_on else tokens
     out: dict[str, Any] = {
         "tokens": committed_or_trained,
         "committed_tokens": tokens,
@@ -287,7 +321,7 @@ def measure_swarm(
         "tokens_per_s": committed_or_trained / wall,
         "measured_as": (
             "stage-0 agora_node_tokens_total over the window"
-            if outer_every_steps
+            if outer_on
             else "coordinator committed tokens over the window"
         ),
         "coordinator_tokens_per_s": st1.tokens_per_s,
@@ -295,8 +329,10 @@ def measure_swarm(
         "microbatch_round_trip_s": (snap1["mb_sum"] - snap0["mb_sum"]) / mbs if mbs else None,
         "retried": snap1["retried"] - snap0["retried"],
         "boundary_wire_bytes_per_s": (snap1["wire"] - snap0["wire"]) / wall,
+        # each process with every process under it (node.efficiency_ft.cpu_seconds)
         "cpu_seconds": {n: cpu1[n] - cpu0[n] for n in pids},
-        "cpu_cores_used": sum(cpu1[n] - cpu0[n] for n in pids) / wall,
+        "cpu_cores_used": sum(cpu1[n] - cpu0[n] for n in pids if n != PROXY) / wall,
+        "outer_rounds_applied": rounds,
         "stage0_loss_at_end": losses,
         "exit_codes": codes,
     }
@@ -305,9 +341,10 @@ def measure_swarm(
         out["proxy"] = {
             "rate_mbit": shaping.rate_mbit,
             "delay_ms_each_way": shaping.delay_ms,
-            "bytes": sum(r["bytes_up"] + r["bytes_down"] for r in proxied.values()),
-            "connections": sum(r["connections"] for r in proxied.values()),
-            "routes": proxied,
+            "bytes_sent": sum(h["bytes_up"] for h in proxied["hosts"].values()),
+            "unattributed_bytes": proxied["unattributed_bytes"],
+            "connections_bypassing_the_link": bypassing,
+            "hosts": proxied["hosts"],
         }
     return out
 
@@ -401,13 +438,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--central-batch", type=int, default=32,
                    help="sequences per centralised step (default 32 = 4096 tokens)")  # fmt: skip
     p.add_argument("--central-seconds", type=float, default=30.0, help="centralised timing (s)")
-    p.add_argument("--warmup-s", type=float, default=15.0, help="swarm warm-up after 1st commit")
-    p.add_argument("--window-s", type=float, default=40.0, help="swarm measurement window (s)")
+    p.add_argument("--warmup-s", type=float, default=30.0, help="swarm warm-up after 1st commit")
+    p.add_argument(
+        "--window-s", type=float, default=150.0,
+        help="swarm measurement window (s; default 150, a few outer rounds at the defaults)",
+    )  # fmt: skip
     p.add_argument("--rate-mbit", type=float, default=80.0, help="shaped link rate (Mbit/s)")
     p.add_argument("--delay-ms", type=float, default=20.0, help="shaped one-way delay (ms)")
     p.add_argument(
-        "--outer-every-steps", type=int, default=0,
-        help="nodes' DiLoCo outer_every_steps (default 0: pipeline only, commit per micro-batch)",
+        "--outer-every-steps", type=int, default=None,
+        help="nodes' DiLoCo outer_every_steps (default: the node's; 0 = pipeline only)",
     )  # fmt: skip
     p.add_argument("--no-shaped", action="store_true", help="skip the shaped-link run")
     p.add_argument("--workdir", type=workdir_path, help="keep logs here (default: a temporary dir)")
@@ -440,8 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "cpu_count": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
-        "swarm": "2 stages x 2 replicas, 1 torch thread per node, default node settings",
-        "outer_every_steps": args.outer_every_steps,
+        "swarm": "2 stages x 2 replicas, 1 torch thread per node, default node settings"
+        + ("" if args.outer_every_steps is None else " but outer_every_steps"),
+        "outer_every_steps": _outer_every_steps(args.outer_every_steps),
+        "outer_every_steps_source": "node default" if args.outer_every_steps is None else "flag",
     }
     started = time.perf_counter()
     try:
@@ -465,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             result[f"ratio_{key}_vs_{args.central_threads}_threads"] = (
                 swarm["tokens_per_s"] / central["threads_n"]["tokens_per_s"]
             )
-            swarm_cpu = sum(v for v in swarm["cpu_seconds"].values() if v == v)
+            swarm_cpu = sum(v for n, v in swarm["cpu_seconds"].items() if v == v and n != PROXY)
             c1 = central["threads_1"]
             result[f"cpu_ratio_{key}"] = (swarm["tokens"] / swarm_cpu) / (
                 c1["tokens"] / c1["cpu_seconds"]
@@ -473,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
             if shaping is not None:
                 result["shaping"] = (
                     "userspace TCP proxy (bench.shaping_proxy): this kernel has no sch_netem; "
-                    f"{args.rate_mbit} Mbit/s per direction per node, {args.delay_ms} ms each way"
+                    f"each host (node, coordinator) behind one link of {args.rate_mbit} Mbit/s "
+                    f"per direction for all it sends or receives (stage and outer loop), "
+                    f"{args.delay_ms} ms each way"
                 )
         if args.ft_overhead or args.ft_only:
             ft = measure_ft_overhead(

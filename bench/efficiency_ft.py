@@ -16,8 +16,9 @@ the same cores, so they see the same load from start to end:
 Both warm up until each swarm's four nodes train (stage 0 trained, stage 1 served) and
 then `warmup_s` more. Over the window, every `window_s / intervals` seconds, the bench
 reads each swarm's stage-0 trained tokens (`agora_node_tokens_total` of both replicas)
-and the CPU seconds of each swarm's node and coordinator processes (not the nodes' outer
-processes; `cpu_seconds_by_process` in the JSON). `ft_overhead_pct` is
+and the CPU seconds of each swarm's node and coordinator processes, each with every
+process under it (a node's outer-loop process and p2p daemons; `cpu_seconds_by_process`
+in the JSON). `ft_overhead_pct` is
 `100 (1 - default tokens/s / cheap tokens/s)` over the whole window (positive: fault
 tolerance costs throughput); `ft_overhead_pct_intervals` is the same per interval,
 and their spread says how far one number can be trusted on a shared box;
@@ -31,24 +32,25 @@ Measured (`agora bench efficiency --preset tiny --ft-only --ft-window-s 240
 inner steps so checkpoints come often): default 994 vs cheap 1,024 stage-0 tokens/s,
 `ft_overhead_pct` 2.9 % (per-interval 13.0, 7.7, 0.0, 3.7, -3.7, 10.3, 5.9, -7.1 %;
 stdev 7.0 points, so about +-2.5 points of standard error), CPU seconds per token
-+5.9 % (the coordinator's CPU 1.86 s vs 0.46 s). A 120 s window at load average 17-24
++5.9 % (the coordinator's CPU 1.86 s vs 0.46 s; counted then from each main process
+alone, without the outer-loop processes). A 120 s window at load average 17-24
 gave 20.3 % with a per-interval stdev of 34 points: at this noise one short run cannot
 tell 3 % from 0 or from 20.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
 DEFAULT_HEARTBEAT_S = 3.0  # coordinator.config.CoordinatorConfig defaults
 DEFAULT_TTL_S = 15.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def say(msg: str, quiet: bool) -> None:
@@ -57,12 +59,22 @@ def say(msg: str, quiet: bool) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (NaN once it is gone)."""
+    """User + system CPU seconds of process `pid` and every process under it (a node's
+    outer-loop process, its hivemind DHT process and p2p daemon), the reaped ones
+    included through their parents' children times; NaN once `pid` is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue  # exited since the listing: its parent's children times hold it
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def _swarm(workdir: Path, preset: str, *, cheap: bool, args: Any) -> Any:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.addrs import ip_of, multiaddr_problem
+from protocol.addrs import announce_problem, ip_of, multiaddr_problem
 from protocol.pinning import CoordinatorAddress, parse_address
 
 PRECISIONS = ("auto", "fp32", "bf16")  # the stage's compute precision (NodeConfig.precision)
@@ -39,6 +39,9 @@ class NodeConfig:
     # libp2p listen multiaddr (port 0 = OS-chosen); on 0.0.0.0 / :: the node announces
     # each interface's IP instead (loopback only on a host with no other interface)
     listen: str = "/ip4/0.0.0.0/tcp/0"
+    # multiaddrs other peers dial instead of the listen address's (a port your router
+    # forwards here: /ip4/PUBLIC_IP/tcp/PORT); empty = the listen address's
+    announce: list[str] = dataclasses.field(default_factory=list)
     no_listen: bool = False  # outbound only: reachable through a relay (circuit relay v2)
     # relay multiaddrs ending in /p2p/<id> (empty with no_listen: the coordinator's relays)
     relays: list[str] = dataclasses.field(default_factory=list)
@@ -65,6 +68,10 @@ class NodeConfig:
     max_tokens: int | None = None  # stop after committing this many tokens (None = run on)
     outer_every_steps: int = 25  # inner steps between DiLoCo outer rounds (0 = no outer loop)
     outer_compression: str = "fp16"  # pseudo-gradient codec: none | fp16 | uint8
+    outer_port: int = 0  # TCP port the outer loop's DHT listens on (0 = OS-chosen)
+    # multiaddrs the outer loop's DHT announces instead of its listen addresses (a port
+    # your router forwards to outer_port); empty = its listen addresses
+    outer_announce: list[str] = dataclasses.field(default_factory=list)
     outer_matchmaking_s: float = 6.0  # seconds to gather replicas for a round
     outer_timeout_s: float = 20.0  # seconds an outer round may take once a group formed
     # seconds a joiner waits for a replica's state; on timeout it starts from the seeded
@@ -138,6 +145,18 @@ class NodeConfig:
             problem = "the data plane listens on TCP only"
         if problem is not None:
             raise ValueError(f"listen {self.listen!r} is not a listen address: {problem}")
+        for name in ("announce", "outer_announce"):
+            for addr in getattr(self, name):
+                if (bad := announce_problem(addr)) is not None:
+                    raise ValueError(f"{name} {addr!r:.80}: {bad}")
+        if self.announce and self.no_listen:
+            raise ValueError("announce needs a listen address: it cannot go with no_listen")
+        if not 0 <= self.outer_port < 65536:
+            raise ValueError(f"outer_port must be in [0, 65535], got {self.outer_port}")
+        if self.outer_announce and self.outer_port == 0:
+            raise ValueError(
+                "outer_announce needs a fixed outer_port (the port it forwards to), not 0"
+            )
         if self.no_listen and self.relay_hop:
             raise ValueError("relay_hop needs inbound connections: it cannot go with no_listen")
         for relay in self.relays:

@@ -189,7 +189,9 @@ async def _p2p_config(cfg: NodeConfig, key: NodeKey) -> P2PConfig:
             )
         log.info("using the coordinator's relays %s", relays)
     listen = [] if cfg.no_listen else [cfg.listen]
-    return P2PConfig(listen=listen, relays=relays, relay_hop=cfg.relay_hop)
+    return P2PConfig(
+        listen=listen, announce=list(cfg.announce), relays=relays, relay_hop=cfg.relay_hop
+    )
 
 
 async def _run(cfg: NodeConfig, key: NodeKey, device: str, early: EarlyStop) -> int:

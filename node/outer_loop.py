@@ -259,6 +259,8 @@ def outer_config(cfg: NodeConfig) -> OuterConfig:
         request_timeout_s=min(1.0, cfg.outer_matchmaking_s / 2),
         round_timeout_s=cfg.outer_timeout_s,
         state_timeout_s=cfg.outer_state_timeout_s,
+        port=cfg.outer_port,
+        announce=list(cfg.outer_announce),
         diloco=DilocoConfig(
             eta=cfg.outer_lr,
             mu=cfg.outer_momentum,

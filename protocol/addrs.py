@@ -134,6 +134,24 @@ def multiaddr_problem(addr: object) -> str | None:
     return None
 
 
+def announce_problem(addr: object) -> str | None:
+    """Why `addr` cannot be announced in place of a listen address (a port a router
+    forwards, a proxy in front of the node), or None: `/ip4|ip6|dns|dns4|dns6/HOST/tcp/PORT`
+    with a real port, no wildcard IP and no `/p2p` part."""
+    problem = multiaddr_problem(addr)
+    if problem is not None:
+        return problem
+    assert isinstance(addr, str)
+    parts = addr.split("/")
+    if len(parts) != 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6"):
+        return f"{addr[:64]!r}: expected /ip4|ip6|dns|dns4|dns6/HOST/tcp/PORT"
+    if parts[3] != "tcp" or parts[4] == "0":
+        return f"{addr[:64]!r}: expected a TCP port other than 0"
+    if is_wildcard(addr):
+        return f"{addr[:64]!r}: 0.0.0.0 and :: cannot be dialled"
+    return None
+
+
 def cap(addrs: list[str]) -> list[str]:
     """The first `MAX_ADDRS` of `addrs` within `MAX_CHARS` characters: what a node
     announces (a host with many interfaces lists more; the grammar is still checked by

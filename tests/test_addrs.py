@@ -16,6 +16,7 @@ from coordinator.membership import Membership, Peer
 from protocol.addrs import (
     MAX_ADDRS,
     MAX_CHARS,
+    announce_problem,
     expand_wildcards,
     is_loopback,
     is_wildcard,
@@ -87,6 +88,33 @@ def test_whatever_passes_parses_in_py_multiaddr(parts: list[str]) -> None:
 @given(st.one_of(st.text(max_size=600), st.binary(max_size=64), st.integers(), st.none()))
 def test_any_input_gives_a_verdict_never_an_exception(value: object) -> None:
     assert multiaddr_problem(value) is None or isinstance(multiaddr_problem(value), str)
+
+
+@pytest.mark.parametrize(
+    "addr", ["/ip4/203.0.113.7/tcp/4001", "/ip6/2001:db8::1/tcp/9", "/dns4/node.example/tcp/80"]
+)
+def test_an_announced_address_is_a_dialable_tcp_address(addr: str) -> None:
+    assert announce_problem(addr) is None
+
+
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "/ip4/0.0.0.0/tcp/4001",  # a wildcard cannot be dialled
+        "/ip4/203.0.113.7/tcp/0",  # port 0 is a listen request, not an address
+        "/ip4/203.0.113.7/udp/4001",
+        "/ip4/203.0.113.7/tcp/4001/p2p/" + PEER,
+        "/ip4/203.0.113.7",
+        "203.0.113.7:4001",
+    ],
+)
+def test_an_address_that_cannot_be_dialled_is_not_announced(addr: str) -> None:
+    assert announce_problem(addr) is not None
+
+
+@given(st.one_of(st.text(max_size=80), st.integers(), st.none()))
+def test_announce_problem_gives_a_verdict_never_an_exception(value: object) -> None:
+    assert announce_problem(value) is None or isinstance(announce_problem(value), str)
 
 
 def test_a_join_or_heartbeat_with_a_bad_address_does_not_decode() -> None:

@@ -64,3 +64,20 @@ def test_node_config_refuses_a_listen_address_it_cannot_bind(listen: str) -> Non
     with pytest.raises(ValueError, match="listen"):
         NodeConfig(coordinator="10.0.0.1:7700", listen=listen)
     assert NodeConfig(coordinator="h:1", listen="/ip6/::/tcp/4001").listen == "/ip6/::/tcp/4001"
+
+
+def test_node_config_announces_dialable_addresses_on_a_fixed_outer_port() -> None:
+    cfg = NodeConfig(
+        coordinator="h:1", announce=["/ip4/203.0.113.9/tcp/4001"], outer_port=4002,
+        outer_announce=["/dns4/node.example/tcp/4002"],
+    )  # fmt: skip
+    assert cfg.announce == ["/ip4/203.0.113.9/tcp/4001"] and cfg.outer_port == 4002
+    for bad, match in [
+        ({"announce": ["/ip4/0.0.0.0/tcp/4001"]}, "announce"),
+        ({"announce": ["/ip4/1.2.3.4/tcp/0"]}, "announce"),
+        ({"announce": ["/ip4/1.2.3.4/tcp/1"], "no_listen": True}, "no_listen"),
+        ({"outer_announce": ["/ip4/1.2.3.4/tcp/1"]}, "fixed outer_port"),
+        ({"outer_port": 70000}, "outer_port"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            NodeConfig(coordinator="h:1", **bad)

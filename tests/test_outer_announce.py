@@ -7,10 +7,12 @@ this test session imports libp2p)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
-from swarmlab.procs import child_env
+from swarmlab.procs import child_env, free_port, wait_for
 
 SCRIPT = r"""
 import json, sys, time, uuid
@@ -19,7 +21,7 @@ from node.outer_link import OuterConfig, OuterLink
 from swarmlab.procs import child_env
 
 cfg = OuterConfig(compression="fp16", matchmaking_s=1.5, request_timeout_s=1.0,
-                  round_timeout_s=4.0, state_timeout_s=10.0)
+                  round_timeout_s=4.0, state_timeout_s=10.0, **json.loads(sys.argv[1]))
 run = uuid.uuid4().hex[:8]
 link = OuterLink.start(run_id=run, stage=0, numel=64, initial_peers=[], config=cfg,
                        env=child_env())
@@ -42,13 +44,48 @@ finally:
 """
 
 
-def test_a_replica_declares_its_listen_addresses_in_the_dht() -> None:
+def run_replica(settings: dict[str, object]) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=child_env(), capture_output=True, text=True,
-        timeout=120, check=True,
+        [sys.executable, "-c", SCRIPT, json.dumps(settings)], env=child_env(),
+        capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert isinstance(got, dict)
+    return got
+
+
+def test_a_replica_declares_its_listen_addresses_in_the_dht() -> None:
+    got = run_replica({})
     declared = list(got["declared"].values())
     assert len(declared) == 1, got
     # what the link announces to the coordinator, without the /p2p/<id> suffix
     assert declared[0] == [a.split("/p2p/")[0] for a in got["dht_addrs"]], got
+
+
+def test_a_replica_behind_a_forwarded_port_announces_and_is_reached_there(
+    tmp_path: Path,
+) -> None:
+    """`port` and `announce` (the node's outer_port / outer_announce): the DHT listens on
+    the fixed port, announces only the forwarded one, and a client that knows only the
+    announced address reaches it through the forwarder (bench.shaping_proxy)."""
+    port, forwarded = free_port(), free_port()
+    ready, stats = tmp_path / "ready", tmp_path / "stats.json"
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "bench.shaping_proxy", "--rate-mbit", "1000", "--delay-ms", "0",
+         f"--route=replica:{forwarded}={port}", "--ready-file", str(ready), "--stats", str(stats)],
+        env=child_env(),
+    )  # fmt: skip
+    try:
+        wait_for(ready.exists, "the forwarder to listen", 30)
+        announced = f"/ip4/127.0.0.1/tcp/{forwarded}"
+        got = run_replica({"port": port, "announce": [announced]})
+    finally:
+        proxy.send_signal(signal.SIGINT)
+        proxy.wait(30)
+    dht_addrs = got["dht_addrs"]
+    assert isinstance(dht_addrs, list) and dht_addrs
+    assert all(a.split("/p2p/")[0] == announced for a in dht_addrs), got
+    declared = list(got["declared"].values())  # type: ignore[attr-defined]
+    assert declared == [[announced]], got
+    replica = json.loads(stats.read_text())["hosts"]["replica"]
+    assert replica["connections_in"] >= 1 and replica["bytes_up"] > 0, replica

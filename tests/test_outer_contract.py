@@ -34,6 +34,7 @@ CONFIG = c.OuterConfig(
     target_group_size=3,
     host="0.0.0.0",
     port=4242,
+    announce=["/ip4/203.0.113.9/tcp/4243"],
     startup_timeout_s=30.0,
     state_timeout_s=10.0,
     diloco=c.DilocoConfig(eta=0.5, mu=0.5, target_tokens=400, clip_radius=0.1, clip_iters=5),
@@ -109,6 +110,14 @@ def test_config_round_trips_and_missing_keys_take_defaults() -> None:
     assert c.OuterConfig.from_wire({}) == c.OuterConfig()
     got = c.OuterConfig.from_wire({"port": 7, "diloco": {"eta": 1}})
     assert got.port == 7 and got.diloco.eta == 1.0 and isinstance(got.diloco.eta, float)
+
+
+@pytest.mark.parametrize(
+    "announce", ["/ip4/1.2.3.4/tcp/1", ["/ip4/0.0.0.0/tcp/1"], [7], ["/ip4/1.2.3.4/tcp/1"] * 9]
+)
+def test_config_refuses_announced_addresses_nobody_can_dial(announce: object) -> None:
+    with pytest.raises(ProtocolError, match="announce|list|strings"):
+        c.OuterConfig.from_wire({"port": 7, "announce": announce})
 
 
 def test_the_commands_and_replies_are_told_apart() -> None:

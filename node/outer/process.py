@@ -136,6 +136,7 @@ class OuterProcess:
         self.dht = DHT(
             initial_peers=list(init.initial_peers),
             host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
+            announce_maddrs=list(self.cfg.announce) or None,
             start=True,
             await_ready=True,
         )

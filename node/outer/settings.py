@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.addrs import MAX_ADDRS, announce_problem
 from protocol.errors import ProtocolError
 
 COMPRESSIONS = ("none", "fp16", "uint8")  # pseudo-gradient wire codecs, by name
@@ -108,6 +109,9 @@ class OuterConfig:
     # can dial it (the coordinator keeps no loopback address from another host)
     host: str = "0.0.0.0"
     port: int = 0  # DHT listen port; 0 = chosen by the OS (port number)
+    # multiaddrs the DHT announces instead of its listen addresses, explicit ports
+    # (a forwarded port, a proxy in front of it); empty = its listen addresses
+    announce: list[str] = field(default_factory=list)
     startup_timeout_s: float = 90.0  # max time for the outer process to start its DHT (s)
     state_timeout_s: float = 20.0  # max time to download state from a live replica (s)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)  # outer optimizer (see there)
@@ -131,6 +135,11 @@ class OuterConfig:
             raise ValueError(
                 f"host must be an IPv4 address (the DHT listens on /ip4/HOST), got {self.host!r}"
             ) from None
+        if len(self.announce) > MAX_ADDRS:
+            raise ValueError(f"announce: at most {MAX_ADDRS} addresses, got {len(self.announce)}")
+        for addr in self.announce:
+            if (problem := announce_problem(addr)) is not None:
+                raise ValueError(f"announce {addr!r:.80}: {problem}")
         if self.target_group_size < 1 or not 0 <= self.port < 65536:
             raise ValueError(f"bad target_group_size {self.target_group_size} or port {self.port}")
 
@@ -145,7 +154,8 @@ class OuterConfig:
     def from_wire(cls, obj: Any) -> OuterConfig:
         """From a plain map (`to_wire`'s, or one written by hand); missing keys take their
         defaults, unknown keys are an error."""
-        kwargs = _settings(cls, obj, "OuterConfig", nested={"diloco": DilocoConfig.from_wire})
+        nested = {"diloco": DilocoConfig.from_wire, "announce": _str_list}
+        kwargs = _settings(cls, obj, "OuterConfig", nested=nested)
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as exc:
@@ -162,6 +172,15 @@ def finite(v: Any) -> float | None:
     if type(v) is float and math.isfinite(v):
         return v
     return None
+
+
+def _str_list(obj: Any) -> list[str]:
+    """A short list of short strings (what each one must be is the class's check)."""
+    if type(obj) is not list or len(obj) > MAX_ADDRS:
+        raise ProtocolError(f"expected a list of at most {MAX_ADDRS} strings")
+    if any(type(v) is not str or len(v) > MAX_SETTING_STR for v in obj):
+        raise ProtocolError(f"expected strings of at most {MAX_SETTING_STR} chars")
+    return list(obj)
 
 
 def _settings(

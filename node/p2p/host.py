@@ -135,8 +135,11 @@ class Libp2pTransport:
 
     @property
     def direct_addrs(self) -> list[str]:
-        """The bound listen addresses, each on 0.0.0.0 / :: as one per interface IP
-        (`node.p2p.interfaces.announce`): what other peers can dial."""
+        """What other peers can dial: the configured `announce` addresses, else the bound
+        listen addresses, each on 0.0.0.0 / :: as one per interface IP
+        (`node.p2p.interfaces.announce`)."""
+        if self.cfg.announce:
+            return list(self.cfg.announce)
         return announce([str(a) for a in self._host.get_addrs()])
 
     @property

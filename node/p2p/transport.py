@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from node.p2p.limits import LimitsConfig, MembershipFilter
+from protocol.addrs import announce_problem
 from protocol.codec import DEFAULT_MAX_FRAME
 from protocol.message import Message
 
@@ -112,6 +113,9 @@ class P2PConfig:
     listen: list[str] = dataclasses.field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"]
     )  # multiaddrs; empty = outbound only; 0.0.0.0 / :: announce each interface's IP
+    # multiaddrs announced instead of the bound ones (a port a router forwards to this
+    # host, a proxy in front of it); empty = the bound ones
+    announce: list[str] = dataclasses.field(default_factory=list)
     max_frame: int = DEFAULT_MAX_FRAME  # bytes, largest accepted frame payload
     read_timeout_s: float = 60.0  # seconds a peer may take to send one whole request
     handler_timeout_s: float = 300.0  # seconds a local handler may take to answer
@@ -133,6 +137,9 @@ class P2PConfig:
     relay_circuit_duration_s: float = 3600.0  # seconds one relayed circuit may last (as hop)
 
     def __post_init__(self) -> None:
+        for addr in self.announce:
+            if (problem := announce_problem(addr)) is not None:
+                raise ValueError(f"announce {addr!r:.80}: {problem}")
         if not 16 <= self.max_frame <= 2**32 - 1:
             raise ValueError(f"max_frame must be in [16, 2**32 - 1] bytes, got {self.max_frame}")
         for name in (
