@@ -22,8 +22,10 @@ The traffic numbers come from the nodes' Prometheus metrics (the last scrape of 
 node counts): `outer_bytes` is the sum of `agora_node_outer_bytes_total` (pseudo-gradient
 bytes sent), `outer_state_bytes` of the global-state bytes the outer processes served to
 joining, rebasing and adopting replicas (`agora_node_outer_state_bytes_total`, out),
-`outer_bytes_total` both (DHT and matchmaking messages are not counted),
-`ddp_equivalent_bytes` what a ring all-reduce of fp32 gradients at every
+and `outer_bytes_total` everything the outer processes sent, counted on the wire by a
+proxy in front of each node's outer loop (bench/outer_tally.py: pseudo-gradients, state,
+matchmaking, DHT, libp2p framing; `outer_other_bytes` is what is neither payload nor
+state); `ddp_equivalent_bytes` what a ring all-reduce of fp32 gradients at every
 inner step would have sent for the same inner steps (each replica sends
 `2 (R-1)/R x 4 x numel(stage)` bytes per step, R replicas).
 """
@@ -51,6 +53,7 @@ from bench.convergence_stats import (
     heldout_split,
     mean_interval,
 )
+from bench.outer_tally import OuterTally
 from node.baseline import TrainConfig, evaluate_weights
 from node.config import NodeConfig
 from node.data import Dataset, load_dataset
@@ -149,6 +152,7 @@ class SwarmRun:
     tokens_trained: int  # stage-0 tokens through the pipeline (re-trained ones included)
     outer_bytes: float
     outer_state_bytes: float  # global-state bytes served to other replicas
+    outer_wire: dict[str, Any]  # OuterTally.stop(): every outer byte, and any bypass
     inner_steps: dict[int, float]  # stage -> inner steps summed over its replicas
     outer_rounds: float  # outer steps applied, summed over nodes
     seconds: float
@@ -206,15 +210,15 @@ def run_swarm(
         workdir=workdir, preset=args.preset, stages=STAGES, codec=CODEC,
         run_config=run_config(args, dataset, seed),
     )  # fmt: skip
-    toml = swarm.write_node_config(**_node_config(args, inner_tokens))
-    swarm.node_args = ["--config", str(toml)]
     ckpt: dict[str, Path] = {}
     last: dict[str, dict[str, float]] = {}  # node -> last scraped metrics
     label = f"{label} seed {seed}"
 
     def add(name: str, stage: int) -> None:
         ckpt[name] = workdir / "ckpt" / name
-        swarm.add_node(name, stage, "--checkpoint-dir", str(ckpt[name]))
+        values = _node_config(args, inner_tokens) | tally.node_settings(name)
+        config = str(swarm.write_node_config(name, **values))
+        swarm.add_node(name, stage, "--config", config, "--checkpoint-dir", str(ckpt[name]))
 
     def scrape() -> None:
         for name, proc in swarm.nodes.items():
@@ -226,9 +230,11 @@ def run_swarm(
     events: list[str] = []
     kill_at = [args.tokens * (i + 1) / (args.kills + 1) for i in range(args.kills)] if churn else []
     t0 = time.monotonic()
+    names = {0: ["s0-a", "s0-b"], 1: ["s1-a", "s1-b"]}
+    fresh = [f"s{i % STAGES}-{chr(ord('c') + i // STAGES)}" for i in range(len(kill_at))]
+    tally = OuterTally.start(workdir, [*names[0], *names[1], *fresh])
     try:
         swarm.start_coordinator()
-        names = {0: ["s0-a", "s0-b"], 1: ["s1-a", "s1-b"]}
         for stage, ns in names.items():
             for n in ns:
                 add(n, stage)
@@ -254,20 +260,21 @@ def run_swarm(
             if kill_at and committed >= kill_at[0]:
                 kill_at.pop(0)
                 stage = next_id % STAGES
-                victim = names[stage][1]
+                victim, joiner = names[stage][1], fresh[next_id]
                 swarm.nodes[victim].signal(signal.SIGKILL)
                 swarm.nodes[victim].popen.wait(10)
-                fresh = f"s{stage}-{chr(ord('c') + next_id // STAGES)}"
-                add(fresh, stage)
-                names[stage][1] = fresh
+                add(joiner, stage)
+                names[stage][1] = joiner
                 next_id += 1
-                events.append(f"{committed} tokens: killed {victim}, started {fresh}")
+                events.append(f"{committed} tokens: killed {victim}, started {joiner}")
                 _say(args.quiet, f"  >>> {events[-1]}")
         scrape()
+        tally.check()
         codes = swarm.stop_nodes(timeout_s=120.0)
         swarm.stop_coordinator()
     finally:
         swarm.kill_all()
+        wire = tally.stop()
     seconds = time.monotonic() - t0
     bad = {n: c for n, c in codes.items() if c not in (0, -9)}
     if bad:
@@ -295,6 +302,7 @@ def run_swarm(
         tokens_trained=_stage0_trained(swarm, last),
         outer_bytes=sum(m["agora_node_outer_bytes_total"] for m in last.values()),
         outer_state_bytes=sum(m[STATE_OUT] for m in last.values()),
+        outer_wire=wire,
         inner_steps=steps,
         outer_rounds=sum(m["agora_node_outer_steps_total"] for m in last.values()),
         seconds=seconds,
@@ -317,7 +325,8 @@ def ddp_bytes(preset_name: str, seed: int, inner_steps: dict[int, float]) -> flo
 
 def _swarm_json(args: argparse.Namespace, r: SwarmRun, seed: int) -> dict[str, Any]:
     ddp = ddp_bytes(args.preset, seed, r.inner_steps)
-    total = r.outer_bytes + r.outer_state_bytes
+    counted = r.outer_bytes + r.outer_state_bytes
+    total = r.outer_wire["outer_wire_bytes"]
     return {
         "eval_loss": r.eval_loss,
         "tokens_committed": r.tokens_committed,
@@ -325,6 +334,8 @@ def _swarm_json(args: argparse.Namespace, r: SwarmRun, seed: int) -> dict[str, A
         "outer_bytes": r.outer_bytes,
         "outer_state_bytes": r.outer_state_bytes,
         "outer_bytes_total": total,
+        "outer_other_bytes": None if total is None else total - counted,
+        "outer_bypassing": r.outer_wire["outer_bypassing"],
         "ddp_equivalent_bytes": ddp,
         "traffic_ratio": ddp / total if total else None,
         "outer_rounds": r.outer_rounds,
@@ -455,7 +466,8 @@ def main(argv: list[str]) -> int:
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-seed lists and mean / 95 % interval of each swarm run kind's gap and traffic
-    ratio (`gap_pct_*` fault-free, `gap_churn_pct_*` with churn; ci None with one seed)."""
+    ratio (`gap_pct_*` fault-free, `gap_churn_pct_*` with churn; ci None with one seed),
+    and its outer and DDP-equivalent bytes summed over the seeds."""
     out: dict[str, Any] = {}
     for key, churn in SWARM_RUNS:
         sfx = "_churn" if churn else ""
@@ -465,6 +477,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"gap{sfx}_pct_per_seed"] = gaps
             out.update(_interval_json(f"gap{sfx}_pct", mean_interval(gaps)))
         ratios = [d["traffic_ratio"] for d in done if d["traffic_ratio"] is not None]
+        for name in ("outer_bytes_total", "ddp_equivalent_bytes"):  # summed over the seeds
+            if done and all(d[name] is not None for d in done):
+                out[f"{name}{sfx}"] = sum(d[name] for d in done)
         if ratios:
             out.update(_interval_json(f"traffic_ratio{sfx}", mean_interval(ratios)))
     return out
@@ -495,7 +510,7 @@ def _table(out: dict[str, Any]) -> None:
     )
     print(
         f"{'seed':<6}{'run':<8}{'tokens':>10}{'central':>10}{'swarm':>9}{'gap %':>9}"
-        f"{'outer MB':>10}{'state MB':>10}{'DDP MB':>10}"
+        f"{'outer MB':>10}{'state MB':>10}{'wire MB':>10}{'DDP MB':>10}"
     )
     for row in out["runs"]:
         for key, _ in SWARM_RUNS:
@@ -506,8 +521,8 @@ def _table(out: dict[str, Any]) -> None:
                 f"{row['seed']:<6}{key:<8}{r['tokens_committed']:>10,}"
                 f"{f(r.get('eval_loss_central')):>10}{f(r['eval_loss']):>9}"
                 f"{f(r.get('gap_pct'), '{:+.2f}'):>9}"
-                f"{_mb(r['outer_bytes']):>10}{_mb(r.get('outer_state_bytes', 0.0)):>10}"
-                f"{_mb(r['ddp_equivalent_bytes']):>10}"
+                f"{_mb(r['outer_bytes']):>10}{_mb(r['outer_state_bytes']):>10}"
+                f"{_mb(r['outer_bytes_total']):>10}{_mb(r['ddp_equivalent_bytes']):>10}"
             )
         if "central" in row and not any(k in row for k, _ in SWARM_RUNS):
             for c, ref in row["central"]["at"].items():

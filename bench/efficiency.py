@@ -62,8 +62,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from bench import shaping_proxy
 from bench.efficiency_ft import add_arguments as add_ft_arguments
 from bench.efficiency_ft import cpu_seconds, measure_ft_overhead, say
 from protocol.pinning import parse_address
@@ -207,20 +206,6 @@ def _start_shaped(sw: Any, sh: Shaping, workdir: Path, outer_every_steps: int | 
         _write_owners(sh)
 
 
-def _bypassing(sh: Shaping) -> list[str]:
-    """Established connections to a real (unannounced) port from a process other than
-    the proxy: traffic that did not cross an emulated link (should be none)."""
-    proxy_pid = sh.proxy.pid if sh.proxy is not None else None
-    return [
-        f"pid {c.pid} -> port {c.raddr[1]}"
-        for c in psutil.net_connections(kind="tcp")
-        if c.status == psutil.CONN_ESTABLISHED
-        and c.raddr
-        and c.raddr[1] in sh.real_ports
-        and c.pid != proxy_pid
-    ]
-
-
 def _histogram(scraped: dict[str, float], name: str) -> tuple[float, float]:
     return scraped.get(f"{name}_sum", 0.0), scraped.get(f"{name}_count", 0.0)
 
@@ -291,7 +276,13 @@ def measure_swarm(
         snap1 = _stage0_snapshot(sw)
         losses = {n: sw.scrape(n).get("agora_node_loss") for n, s in NODES if s == 0}
         rounds = sum(sw.scrape(n).get("agora_node_outer_steps_total", 0.0) for n, _ in NODES)
-        bypassing = _bypassing(shaping) if shaping is not None else []
+        bypassing = (
+            shaping_proxy.bypassing(
+                shaping.real_ports, shaping.proxy.pid if shaping.proxy else None
+            )
+            if shaping is not None
+            else []
+        )
         codes = sw.stop()
         _say(f"swarm stopped: exit codes {codes}", quiet)
     finally:

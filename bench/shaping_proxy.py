@@ -76,9 +76,11 @@ class Crossing:
     receiver: Host | None
     delay_s: float
     unattributed: list[int]  # the proxy's count of bytes sent by no host (shared cell)
+    tally: list[int] = field(default_factory=lambda: [0])  # bytes of this direction of a route
 
     def arrival(self, now: float, n: int) -> float:
         """Loop time at which `n` bytes handed over `now` arrive at the far end."""
+        self.tally[0] += n
         if self.sender is None:
             self.unattributed[0] += n
             start, sent = now, now
@@ -94,6 +96,9 @@ class Route:
     listen_port: int
     target_port: int
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    bytes_in: list[int] = field(default_factory=lambda: [0])  # to the target port
+    bytes_out: list[int] = field(default_factory=lambda: [0])  # back from it
+    connections: int = 0
 
 
 @dataclass(slots=True)
@@ -185,6 +190,7 @@ class Proxy:
     ) -> None:
         loop = asyncio.get_running_loop()
         route.host.connections_in += 1
+        route.connections += 1
         peer = client_w.get_extra_info("peername")
         try:
             client = await asyncio.wait_for(
@@ -204,8 +210,8 @@ class Proxy:
         except (OSError, TimeoutError):
             client_w.close()
             return
-        up = Crossing(client, route.host, self.delay_s, self.unattributed)
-        down = Crossing(route.host, client, self.delay_s, self.unattributed)
+        up = Crossing(client, route.host, self.delay_s, self.unattributed, route.bytes_in)
+        down = Crossing(route.host, client, self.delay_s, self.unattributed, route.bytes_out)
         try:
             await asyncio.gather(_pipe(client_r, target_w, up), _pipe(target_r, client_w, down))
         finally:
@@ -227,8 +233,30 @@ class Proxy:
                 }
                 for name, h in hosts.items()
             },
+            "routes": {
+                f"{r.listen_port}->{r.target_port}": {
+                    "host": r.host.name,
+                    "bytes_in": r.bytes_in[0],
+                    "bytes_out": r.bytes_out[0],
+                    "connections": r.connections,
+                }
+                for r in self.routes
+            },
             "unattributed_bytes": self.unattributed[0],
         }
+
+
+def bypassing(real_ports: set[int], proxy_pid: int | None) -> list[str]:
+    """Established connections to one of `real_ports` (ports only the proxy should dial)
+    from a process other than the proxy: traffic that did not cross its link."""
+    return [
+        f"pid {c.pid} -> port {c.raddr[1]}"
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_ESTABLISHED
+        and c.raddr
+        and c.raddr[1] in real_ports
+        and c.pid != proxy_pid
+    ]
 
 
 async def run(proxy: Proxy, ready: Path | None, stats: Path | None) -> None:

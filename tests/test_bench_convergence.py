@@ -89,11 +89,13 @@ def test_validation_and_test_splits_are_disjoint_halves_of_the_heldout_shards(
 
 def test_summarise_reports_each_seed_and_the_interval() -> None:
     rows = [
-        {"seed": s, "swarm": {"gap_pct": g, "traffic_ratio": 100.0}}
+        {"seed": s, "swarm": {"gap_pct": g, "traffic_ratio": 100.0, "outer_bytes_total": 5.0,
+                              "ddp_equivalent_bytes": 500.0}}
         for s, g in ((0, 1.0), (1, 3.0))
-    ]
+    ]  # fmt: skip
     out = summarise(rows)
     assert out["gap_pct_per_seed"] == [1.0, 3.0] and out["gap_pct_mean"] == 2.0
+    assert out["outer_bytes_total"] == 10.0 and out["ddp_equivalent_bytes"] == 1000.0
     assert out["gap_pct_ci_low"] < 2.0 < out["gap_pct_ci_high"]
     assert "gap_churn_pct_mean" not in out
     one = summarise(rows[:1])
@@ -142,6 +144,10 @@ def test_smoke_swarm_against_central_at_its_own_tokens(tmp_path: Path) -> None:
     assert got["seeds"] == [1] and got["outer_compression_source"] == "node default"
     swarm = got["runs"][0]["swarm"]
     assert swarm["audit_clean"] and swarm["tokens_committed"] >= 4096
+    # every outer byte counted on the wire: more than the payload and state, none bypassing
+    assert swarm["outer_bypassing"] == [], swarm["outer_bypassing"]
+    assert swarm["outer_bytes_total"] > swarm["outer_bytes"] + swarm["outer_state_bytes"] > 0
+    assert got["outer_bytes_total"] == swarm["outer_bytes_total"]
     # the central reference is at the swarm run's own committed tokens (to half a batch)
     assert abs(swarm["tokens_central"] - swarm["tokens_committed"]) <= 4 * 64 // 2
     central = got["runs"][0]["central"]["at"][str(swarm["tokens_committed"])]

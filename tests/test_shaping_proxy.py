@@ -132,3 +132,5 @@ def test_a_connection_is_charged_to_the_host_whose_process_opened_it(
     assert server["bytes_down"] == 37000 and server["bytes_up"] == 37000
     assert client_host["connections_out"] == 1 and server["connections_in"] == 2
     assert got["unattributed_bytes"] == 7000  # sent by no host (its replies: by the server)
+    route = got["routes"][f"{listen}->{echo_port}"]
+    assert route == {"host": "server", "bytes_in": 37000, "bytes_out": 37000, "connections": 2}
