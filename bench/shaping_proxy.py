@@ -120,7 +120,9 @@ class Owners:
 
     def host_of(self, client: tuple[str, int], server_port: int) -> Host | None:
         """The host whose process owns the socket at `client` connected to `server_port`
-        (blocking: /proc scans; run it off the event loop)."""
+        (blocking: /proc scans; run it off the event loop). None without an owners file."""
+        if self.path is None:
+            return None
         pid = None
         for c in psutil.net_connections(kind="tcp"):
             if c.laddr and c.raddr and tuple(c.laddr[:2]) == client and c.raddr[1] == server_port:

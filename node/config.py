@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.addrs import announce_problem, ip_of, multiaddr_problem
+from protocol.addrs import MAX_ADDRS, announce_problem, ip_of, multiaddr_problem
 from protocol.pinning import CoordinatorAddress, parse_address
 
 PRECISIONS = ("auto", "fp32", "bf16")  # the stage's compute precision (NodeConfig.precision)
@@ -146,6 +146,8 @@ class NodeConfig:
         if problem is not None:
             raise ValueError(f"listen {self.listen!r} is not a listen address: {problem}")
         for name in ("announce", "outer_announce"):
+            if len(getattr(self, name)) > MAX_ADDRS:
+                raise ValueError(f"{name}: at most {MAX_ADDRS} addresses")
             for addr in getattr(self, name):
                 if (bad := announce_problem(addr)) is not None:
                     raise ValueError(f"{name} {addr!r:.80}: {bad}")
