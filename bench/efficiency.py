@@ -472,7 +472,11 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
         "swarm": "2 stages x 2 replicas, 1 torch thread per node, default node settings"
-        + ("" if args.outer_every_steps is None else " but outer_every_steps"),
+        + (
+            ""
+            if args.outer_every_steps is None
+            else f" but outer_every_steps {args.outer_every_steps}"
+        ),
         "outer_every_steps": _outer_every_steps(args.outer_every_steps),
         "outer_every_steps_source": "node default" if args.outer_every_steps is None else "flag",
     }
