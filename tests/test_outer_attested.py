@@ -93,3 +93,26 @@ def test_attested_states_are_taken_and_a_forged_one_is_not(
     assert ra2.group_size == 2 and ra2.applied, ra2
     assert rj2.rebased and rj2.digest == ra2.digest and rj2.round == ra2.round, rj2
     assert torch.equal(joiner.theta_g(), a.theta_g())
+
+
+def test_a_replica_that_holds_the_attested_state_downloads_nothing(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """Replicas of a stage start from the same seeded weights, so a joiner's round 0 is
+    the attested round 0: it keeps its own copy instead of downloading the same bytes."""
+    run = uuid.uuid4().hex[:8]
+    a = start(links, child_env, run, [])
+    theta0 = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    a.set_initial_state([theta0])
+    b = start(links, child_env, run, a.dht_addrs())
+    b.set_initial_state([theta0.clone()])
+    assert b.digest == a.digest
+    assert b.fetch_state(timeout=15, attested=(0, a.digest)) == 0
+    a.begin_round([theta0 * 0.99], 100, attested=(0, a.digest))
+    ra = a.wait_result(30)
+    assert ra.applied and ra.state_bytes_out == 0, ra  # A served no state to B
+    # a replica that holds another state still downloads the attested one
+    c = start(links, child_env, run, a.dht_addrs() + b.dht_addrs())
+    c.set_initial_state([theta0 + 1.0])
+    assert c.fetch_state(timeout=15, attested=(0, b.digest)) == 0
+    assert c.digest == b.digest and torch.equal(c.theta_g(), theta0)
