@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -140,26 +139,15 @@ class Shaping:
 
 
 def _start_proxy(sh: Shaping, workdir: Path, routes: list[str]) -> None:
-    from swarmlab.procs import child_env, wait_for
-
-    ready = workdir / "proxy.ready"
     sh.stats_file = workdir / "proxy-stats.json"
     sh.owners_file = workdir / "proxy-owners.json"
     _write_owners(sh)
-    args = [sys.executable, "-m", "bench.shaping_proxy",
-            "--rate-mbit", str(sh.rate_mbit), "--delay-ms", str(sh.delay_ms),
-            "--ready-file", str(ready), "--stats", str(sh.stats_file),
-            "--owners", str(sh.owners_file), *[f"--route={r}" for r in routes]]  # fmt: skip
-    log = (workdir / "proxy.log").open("ab")
-    proxy = sh.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env())
-    log.close()
-
-    def started() -> bool:
-        if proxy.poll() is not None:
-            raise RuntimeError(f"shaping proxy exited with {proxy.returncode}")
-        return ready.exists()
-
-    wait_for(started, "the shaping proxy to start", 30)
+    sh.proxy = shaping_proxy.spawn(
+        workdir, "proxy",
+        ["--rate-mbit", str(sh.rate_mbit), "--delay-ms", str(sh.delay_ms),
+         "--stats", str(sh.stats_file), "--owners", str(sh.owners_file),
+         *[f"--route={r}" for r in routes]],
+    )  # fmt: skip
 
 
 def _write_owners(sh: Shaping) -> None:
@@ -288,12 +276,7 @@ def measure_swarm(
     finally:
         sw.kill_all()
         if shaping is not None and shaping.proxy is not None:
-            shaping.proxy.send_signal(signal.SIGINT)
-            try:
-                shaping.proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                shaping.proxy.kill()
-                shaping.proxy.wait(5)
+            shaping_proxy.stop(shaping.proxy)
     wall = t1 - t0
     tokens = st1.committed_tokens - st0.committed_tokens
     mbs = snap1["mb_count"] - snap0["mb_count"]

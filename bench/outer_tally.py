@@ -13,15 +13,13 @@ port without the proxy; any there make the count a lower bound.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.shaping_proxy import bypassing
-from swarmlab.procs import child_env, free_port, wait_for
+from bench import shaping_proxy
+from swarmlab.procs import free_port
 
 UNLIMITED_MBIT = 1e6  # the proxy's rate: counting only, no shaping (Mbit/s)
 
@@ -38,22 +36,12 @@ class OuterTally:
         """A counting proxy with a route for each node in `names` (every node the run
         will start, joiners included)."""
         tally = cls(workdir, {n: (free_port(), free_port()) for n in names})
-        ready = workdir / "outer-tally.ready"
-        args = [sys.executable, "-m", "bench.shaping_proxy",
-                "--rate-mbit", str(UNLIMITED_MBIT), "--delay-ms", "0",
-                "--ready-file", str(ready), "--stats", str(workdir / "outer-tally.json"),
-                *[f"--route={n}:{ann}={real}" for n, (real, ann) in tally.ports.items()]]  # fmt: skip
-        with (workdir / "outer-tally.log").open("ab") as log:
-            proxy = tally.proxy = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=child_env()
-            )
-
-        def started() -> bool:
-            if proxy.poll() is not None:
-                raise RuntimeError(f"the outer-traffic proxy exited with {proxy.returncode}")
-            return ready.exists()
-
-        wait_for(started, "the outer-traffic proxy to listen", 30)
+        tally.proxy = shaping_proxy.spawn(
+            workdir, "outer-tally",
+            ["--rate-mbit", str(UNLIMITED_MBIT), "--delay-ms", "0",
+             "--stats", str(workdir / "outer-tally.json"),
+             *[f"--route={n}:{ann}={real}" for n, (real, ann) in tally.ports.items()]],
+        )  # fmt: skip
         return tally
 
     def node_settings(self, name: str) -> dict[str, Any]:
@@ -64,18 +52,13 @@ class OuterTally:
     def check(self) -> None:
         """Record connections that bypass the proxy (call while the swarm runs)."""
         real = {p for p, _ in self.ports.values()}
-        self.bypassed += bypassing(real, self.proxy.pid if self.proxy else None)
+        self.bypassed += shaping_proxy.bypassing(real, self.proxy.pid if self.proxy else None)
 
     def stop(self) -> dict[str, Any]:
         """Stop the proxy; the bytes it carried, both ways, over every route."""
         if self.proxy is None:
             return {"outer_wire_bytes": None, "outer_bypassing": self.bypassed}
-        self.proxy.send_signal(signal.SIGINT)
-        try:
-            self.proxy.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proxy.kill()
-            self.proxy.wait(10)
+        shaping_proxy.stop(self.proxy)
         self.proxy = None
         stats = self.workdir / "outer-tally.json"
         if not stats.exists():

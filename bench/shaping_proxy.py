@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,9 +115,9 @@ class Owners:
             return
         try:
             table = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            self.roots = {int(pid): name for name, pid in table.items() if name in self.hosts}
+        except (OSError, ValueError, TypeError, AttributeError):
             return
-        self.roots = {int(pid): name for name, pid in table.items() if name in self.hosts}
 
     def host_of(self, client: tuple[str, int], server_port: int) -> Host | None:
         """The host whose process owns the socket at `client` connected to `server_port`
@@ -246,6 +247,36 @@ class Proxy:
             },
             "unattributed_bytes": self.unattributed[0],
         }
+
+
+def spawn(workdir: Path, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    """Run this proxy as a process with `args` (its flags but `--ready-file`), logging to
+    `workdir/NAME.log`; returns once every route listens."""
+    from swarmlab.procs import child_env, wait_for
+
+    ready = workdir / f"{name}.ready"
+    cmd = [sys.executable, "-m", "bench.shaping_proxy", "--ready-file", str(ready), *args]
+    with (workdir / f"{name}.log").open("ab") as log:
+        proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+
+    def started() -> bool:
+        if proxy.poll() is not None:
+            raise RuntimeError(f"the {name} proxy exited with {proxy.returncode}")
+        return ready.exists()
+
+    wait_for(started, f"the {name} proxy to listen", 30)
+    return proxy
+
+
+def stop(proxy: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Ctrl-C a proxy started by `spawn` (it writes its stats on the way out); SIGKILL
+    past `timeout_s`."""
+    proxy.send_signal(signal.SIGINT)
+    try:
+        proxy.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proxy.kill()
+        proxy.wait(10)
 
 
 def bypassing(real_ports: set[int], proxy_pid: int | None) -> list[str]:
