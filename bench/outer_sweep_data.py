@@ -245,14 +245,14 @@ class PooledBatches:
 
     def round_end(self, *, applied: bool, contributed: bool) -> None:
         """The round's result, under the pool's commit rule. The simulation keeps one
-        `theta_g` for the stage, so an applied round is on the stage's lineage; a replica
-        whose contribution is not in it rebased onto it (adopted), and its round's windows
-        go back to be trained again. The commits go to the grant queue."""
+        `theta_g` for the stage, so an applied round is on its only lineage (`sole`); a
+        replica whose contribution is not in it rebased onto it (adopted), and its round's
+        windows go back to be trained again. The commits go to the grant queue."""
         if self._mark is None:  # a replica that joined after the round began
             return
         facts = RoundFacts(
             mark=self._mark, applied=applied, contributed=contributed,
-            adopted=not contributed, merged=True, sole=False,
+            adopted=not contributed, sole=True,
         )  # fmt: skip
         self._mark = None
         for c in self.pool.round_result(facts).commits:

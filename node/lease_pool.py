@@ -32,20 +32,23 @@ it what happened. Its rules:
   committed returns to the coordinator's queue at its committed offset.
 
 The commit rule. A range is committed only when the round that carries its training was
-applied with this replica's contribution weighted above zero (`contributed`), on the
-stage's canonical lineage:
+applied with this replica's contribution weighted above zero (`contributed`), and the
+state that round made is one the stage agreed on:
 - not contributed (the round was not applied, or the group left this replica's
   pseudo-gradient out): the working copy dropped that training at the merge, so the
   round's windows go back to be trained again (untaken windows of the same lease);
-- contributed in a round a group merged (`merged`), or on a stage where this replica is
-  the only one (`sole`): the round's windows, and every earlier held round's, may be
-  committed;
-- contributed in a round stepped alone while other replicas exist: the state is this
-  replica's own lineage, which the group may later discard, so the round is held: a later
-  applied group round on top of it (or being the only replica) commits it;
+- contributed: the round is held, under the (round, digest) of the state it made;
+- a later group round whose canonical state at least two members held as it began
+  (`agreed`), a state this replica now holds or stepped from (it is in `lineage`),
+  commits every held round whose state is in that chain up to `agreed`: two replicas
+  held it, so the stage's lineage runs through it. A group round alone is no proof: its
+  members may end it in different states of one round (one stepped alone when its
+  exchange failed, one missed a part), and the next group keeps one of them;
+- on a stage where this replica is the only one (`sole`), the round and every held
+  round are committed at once: there is no other lineage;
 - `adopted` (this replica replaced its state with another replica's, rebase or download):
   a held round whose state (round, digest) is in the adopted state's chain (`lineage`)
-  is an ancestor of it, so its training is still there and it stays held (another
+  is an ancestor of it: its training is still there and it stays held (another
   replica stepped on top of it); every other held round's training is gone from the
   state, so its windows go back. The round's own contribution may still be in the
   adopted state (a group merged it).
@@ -97,11 +100,13 @@ class RoundFacts:
     applied: bool  # this replica's global state changed
     contributed: bool  # its pseudo-gradient is in the state now held, with weight > 0
     adopted: bool  # its state was replaced by another replica's (rebase or download)
-    merged: bool  # a group of two or more merged the round (not stepped alone)
     sole: bool  # no other replica trains this stage
     round: int = -1  # outer round (outer steps) of the state held after the round
     digest: str = ""  # that state's digest (hex; "" = not known)
     lineage: tuple[Link, ...] = ()  # that state's chain, ending with it (protocol.lineage)
+    # the group's canonical state when two or more members held it as the round began
+    # (None: stepped alone, or no state of the group was held twice)
+    agreed: Link | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +115,10 @@ class RoundVerdict:
 
     commits: list[CommitRange]  # ranges that may be committed now
     returned: list[CommitRange]  # trained ranges put back to be trained again
-    held: int  # rounds applied alone whose commits wait for the canonical lineage
+    held: int  # contributed rounds whose commits wait for the stage to agree on their state
+    # the state that holds the training of the rounds this verdict made committable: the
+    # agreed state, or the sole replica's own (None: no round became committable)
+    rode_in: Link | None = None
 
 
 class LeasePool:
@@ -261,11 +269,24 @@ class LeasePool:
             self._held[facts.mark.gen] = (facts.round, facts.digest)
         else:  # the merge dropped this round's training from the working copy
             back.add(facts.mark.gen)
-        if facts.applied and (facts.merged or facts.sole):  # on the canonical lineage
-            self._resolve(set(self._held), keep=True)
-            self._held.clear()
+        agreed: set[int] = set()
+        rode_in: Link | None = None
+        if facts.applied and facts.sole:  # no other lineage
+            agreed, rode_in = set(self._held), (facts.round, facts.digest)
+        elif facts.agreed is not None and facts.agreed in facts.lineage:
+            upto = facts.lineage[: facts.lineage.index(facts.agreed) + 1]
+            agreed = {gen for gen, link in self._held.items() if link in upto}
+            rode_in = facts.agreed
+        self._resolve(agreed, keep=True)
+        for gen in agreed:
+            del self._held[gen]
         returned = self._resolve(back, keep=False)
-        return RoundVerdict(commits=self.commits(), returned=returned, held=len(self._held))
+        return RoundVerdict(
+            commits=self.commits(),
+            returned=returned,
+            held=len(self._held),
+            rode_in=rode_in if agreed else None,
+        )
 
     def state_replaced(self) -> list[CommitRange]:
         """The global state was replaced by another replica's outside a round (a rebase:

@@ -90,6 +90,10 @@ class OuterRounds:
         self._peeked_at = 0.0  # monotonic seconds of the last look
         self.joined_early = 0  # rounds begun early to join a waiting replica
         self._joining = False  # the round in flight began early, to join one
+        # the round of the newest state holding a contribution of this replica that waits
+        # for the stage to agree on it (the commit rule, node/lease_pool.py; -1: none):
+        # a drain runs one more round for it
+        self.unconfirmed = -1
         self.events = events or EventLog()
 
     @classmethod
@@ -315,6 +319,7 @@ class OuterRounds:
                 "round_applied", round=result.round, group_size=result.group_size,
                 tokens=result.tokens, seconds=result.seconds, rebased=result.rebased,
                 contributed=result.contributed, joined_early=self._joining,
+                digest=result.digest, agreed=list(result.agreed) if result.agreed else None,
             )  # fmt: skip
         else:
             log.warning(
@@ -330,21 +335,28 @@ class OuterRounds:
             applied=result.applied,
             contributed=result.applied and result.contributed,
             adopted=result.rebased,
-            merged=result.group_size > 1,
             sole=self._sole_fn(),
             round=result.round,
             digest=result.digest,
             lineage=tuple(result.lineage),
+            agreed=result.agreed,
         )
+        agreed = facts.agreed if facts.agreed in facts.lineage else None
+        if (facts.applied and facts.sole) or (agreed and agreed[0] >= self.unconfirmed):
+            self.unconfirmed = -1
+        if facts.contributed and not (facts.applied and facts.sole):
+            self.unconfirmed = facts.round
         await self._on_round(await self.worker.run(self.capture), facts)
 
     async def finish(self, timeout_s: float) -> None:
-        """Drain: wait for the round in flight, then run one more to cover the rest."""
+        """Drain: wait for the round in flight, run one more to cover the rest, and one
+        more while a contribution waits for the stage to agree on its state."""
         with trio.move_on_after(timeout_s) as scope:
-            for _ in range(2):
+            for _ in range(3):
                 async with self._tick_lock:
                     if self._in_flight is None:
-                        if self.compute.tokens_trained == self._tokens_at_last:
+                        trained = self.compute.tokens_trained != self._tokens_at_last
+                        if not trained and (self.unconfirmed < 0 or self._sole_fn()):
                             return
                         await self.begin()
                 while self._in_flight is not None:

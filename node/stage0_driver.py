@@ -237,8 +237,8 @@ class Stage0Driver:
         """An outer round's result is in: the pool's commit rule decides what is
         committed and what goes back to be trained again."""
         verdict = self.pool.round_result(facts)
-        if verdict.commits:  # the state these commits rode in (recorded with them)
-            self._lineage = (facts.round, facts.digest)
+        if verdict.rode_in is not None:  # the state these commits rode in (recorded with them)
+            self._lineage = verdict.rode_in
         self.ranges_returned(verdict.returned, "did not reach the global state")
         await self.commit()
 

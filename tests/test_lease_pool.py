@@ -1,8 +1,9 @@
 """The lease pool's rules: windows cut once, commits only of contiguous trained prefixes,
 monotonic, nothing of a fenced lease, everything released; and the commit rule: a range
 is committed only once the round that carried it was applied with this replica's
-contribution on the stage's canonical lineage, and what did not reach the state goes
-back to be trained again.
+contribution, in a state the stage agreed on (two members of a group held it, or the
+replica is the stage's only one), and what did not reach the state goes back to be
+trained again.
 
 A hypothesis state machine drives random opens, draws, finishes (in any order), rounds
 with random results, commits and fences, and checks the pool against the history."""
@@ -18,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from node.lease_pool import CommitRange, LeasePool, RoundFacts, RoundMark, Window
 from protocol.control import LeaseInfo
+from protocol.lineage import Link
 
 SEQ = 4
 
@@ -38,12 +40,16 @@ def facts(
     applied: bool = True,
     contributed: bool = True,
     adopted: bool = False,
-    merged: bool = True,
     sole: bool = False,
+    chain: tuple[Link, ...] = (),
+    agreed: Link | None = None,
 ) -> RoundFacts:
+    """A round's facts; `chain` is the lineage of the state held after it (its last entry
+    is that state)."""
+    head = chain[-1] if chain else (-1, "")
     return RoundFacts(
-        mark=mark, applied=applied, contributed=contributed, adopted=adopted, merged=merged,
-        sole=sole,
+        mark=mark, applied=applied, contributed=contributed, adopted=adopted, sole=sole,
+        round=head[0], digest=head[1], lineage=chain, agreed=agreed,
     )  # fmt: skip
 
 
@@ -72,10 +78,10 @@ def test_commits_stop_at_a_gap_and_at_the_round_that_carries_the_windows() -> No
     assert pool.commits() == []  # trained, but no round carried them into the state yet
     mark = pool.snapshot()
     pool.finish([w3], final=False)  # trained after the round began: the next round's
-    verdict = pool.round_result(facts(mark))
+    verdict = pool.round_result(facts(mark, sole=True))
     assert spans(verdict.commits) == [(0, 12)] and verdict.returned == [] and verdict.held == 0
     assert not pool.accept(verdict.commits[0])
-    assert pool.round_result(facts(pool.snapshot())).commits[0].end == 16
+    assert pool.round_result(facts(pool.snapshot(), sole=True)).commits[0].end == 16
 
 
 def test_a_gap_holds_back_the_commits_behind_it() -> None:
@@ -97,7 +103,7 @@ def test_a_round_not_applied_gives_its_windows_back_to_be_trained_again() -> Non
     assert verdict.commits == [] and spans(verdict.returned) == [(0, 8)]
     assert sorted(w.start for w in pool.take(10)) == [0, 4]  # handed out again
     pool.finish([w0, w1, w3], final=False)
-    assert spans(pool.round_result(facts(pool.snapshot())).commits) == [(0, 16)]
+    assert spans(pool.round_result(facts(pool.snapshot(), sole=True)).commits) == [(0, 16)]
 
 
 def test_a_contribution_the_group_left_out_is_not_committed_and_goes_back() -> None:
@@ -109,19 +115,70 @@ def test_a_contribution_the_group_left_out_is_not_committed_and_goes_back() -> N
     assert pool.untaken == 4
 
 
-def test_a_lone_round_waits_until_a_group_round_lands_on_its_state() -> None:
+S0: Link = (0, "00")  # the seeded state every replica of the stage starts from
+
+
+def test_a_round_waits_until_a_group_agrees_on_its_state() -> None:
     pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
     pool.open(lease(1, limit=16), SHARD)
     w0, w1, w2, w3 = pool.take(4)
     pool.finish([w0, w1], final=False)
-    lone = pool.round_result(facts(pool.snapshot(), merged=False))
+    lone = pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1"))))
     assert lone.commits == [] and lone.returned == [] and lone.held == 1
     pool.finish([w2, w3], final=False)
-    # the group steps on this replica's state (canonical): the lone round is confirmed,
-    # even though the group weighted this round's own contribution at zero
-    verdict = pool.round_result(facts(pool.snapshot(), contributed=False))
+    # a group whose members both held this replica's state steps on it: the round is
+    # committed, even though the group weighted this round's own contribution at zero
+    verdict = pool.round_result(
+        facts(
+            pool.snapshot(), contributed=False, chain=(S0, (1, "a1"), (2, "a2")), agreed=(1, "a1")
+        )
+    )
     assert spans(verdict.commits) == [(0, 8)] and spans(verdict.returned) == [(8, 16)]
-    assert verdict.held == 0
+    assert verdict.held == 0 and verdict.rode_in == (1, "a1")
+
+
+def test_a_group_round_commits_nothing_until_the_next_group_keeps_its_state() -> None:
+    """Two replicas average a round, but end it in different states of one round (the
+    other stepped alone when its exchange failed). The next group keeps the other's
+    state: the training this replica's group round carried is not in it and goes back."""
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    w0, w1, w2, w3 = pool.take(4)
+    pool.finish([w0, w1], final=False)
+    group = pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1")), agreed=S0))
+    assert group.commits == [] and group.held == 1
+    pool.finish([w2, w3], final=False)
+    theirs = (S0, (1, "b1"), (2, "b2"))  # both held nothing in common but the seed
+    verdict = pool.round_result(facts(pool.snapshot(), adopted=True, chain=theirs))
+    assert verdict.commits == [] and spans(verdict.returned) == [(0, 8)] and verdict.held == 1
+    # a group that agreed on the state the other stepped to commits the round it carried
+    verdict = pool.round_result(
+        facts(pool.snapshot(), contributed=False, chain=(*theirs, (3, "b3")), agreed=(2, "b2"))
+    )
+    assert verdict.commits == [] and verdict.held == 0  # 8..16 waits for 0..8, trained again
+    pool.finish(pool.take(10), final=False)
+    verdict = pool.round_result(
+        facts(pool.snapshot(), sole=True, chain=(*theirs, (3, "b3"), (4, "b4")))
+    )
+    assert spans(verdict.commits) == [(0, 16)] and verdict.rode_in == (4, "b4")
+
+
+def test_an_agreed_state_this_replica_does_not_hold_commits_nothing() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=16), SHARD)
+    pool.finish(pool.take(2), final=False)
+    assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1")))).held == 1
+    # the group agreed on a state this replica failed to download: its own stays
+    verdict = pool.round_result(
+        facts(
+            pool.snapshot(),
+            applied=False,
+            contributed=False,
+            chain=(S0, (1, "a1")),
+            agreed=(1, "b1"),
+        )
+    )
+    assert verdict.commits == [] and verdict.held == 1 and verdict.rode_in is None
 
 
 def test_a_lone_round_then_an_adopted_state_gives_the_lone_rounds_ranges_back() -> None:
@@ -129,46 +186,60 @@ def test_a_lone_round_then_an_adopted_state_gives_the_lone_rounds_ranges_back() 
     pool.open(lease(1, limit=16), SHARD)
     w0, w1, w2, w3 = pool.take(4)
     pool.finish([w0, w1], final=False)
-    assert pool.round_result(facts(pool.snapshot(), merged=False)).held == 1
+    assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1")))).held == 1
     pool.finish([w2, w3], final=False)
     # the group's canonical state replaced this replica's: the lone step is gone from it,
     # while this round's contribution was merged by the group into the state adopted
-    verdict = pool.round_result(facts(pool.snapshot(), adopted=True))
-    assert spans(verdict.returned) == [(0, 8)] and verdict.commits == [] and verdict.held == 0
+    theirs = (S0, (1, "b1"), (2, "b2"))
+    verdict = pool.round_result(
+        facts(pool.snapshot(), adopted=True, chain=theirs, agreed=(1, "b1"))
+    )
+    assert spans(verdict.returned) == [(0, 8)] and verdict.commits == [] and verdict.held == 1
     again = pool.take(10)
     assert sorted(w.start for w in again) == [0, 4]
     pool.finish(again, final=False)
-    assert spans(pool.round_result(facts(pool.snapshot())).commits) == [(0, 16)]
+    verdict = pool.round_result(
+        facts(pool.snapshot(), chain=(*theirs, (3, "b3")), agreed=(2, "b2"))
+    )
+    assert verdict.commits == [] and verdict.held == 1  # 8..16 is agreed; 0..8 is not yet
+    verdict = pool.round_result(
+        facts(
+            pool.snapshot(),
+            contributed=False,
+            chain=(*theirs, (3, "b3"), (4, "b4")),
+            agreed=(3, "b3"),
+        )
+    )
+    assert spans(verdict.commits) == [(0, 16)] and verdict.rode_in == (3, "b3")
 
 
 def test_a_lone_round_stays_held_when_the_adopted_state_descends_from_it() -> None:
     """Two replicas out of phase: this one steps alone, the other rebases on its state and
     steps alone on top, and this one rebases on that: its lone round is in the adopted
-    state's chain, so its training is there; it is held, and a group round commits it."""
+    state's chain, so its training is there; it is held, and an agreed state commits it."""
     pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
     pool.open(lease(1, limit=16), SHARD)
     w0, w1, w2, w3 = pool.take(4)
     pool.finish([w0, w1], final=False)
-    mine = RoundFacts(mark=pool.snapshot(), applied=True, contributed=True, adopted=False,
-                      merged=False, sole=False, round=8, digest="a8")  # fmt: skip
-    assert pool.round_result(mine).held == 1
+    assert pool.round_result(facts(pool.snapshot(), chain=((7, "07"), (8, "a8")))).held == 1
     pool.finish([w2, w3], final=False)
-    theirs = RoundFacts(
-        mark=pool.snapshot(), applied=True, contributed=True, adopted=True, merged=False,
-        sole=False, round=10, digest="b10", lineage=((7, "07"), (8, "a8"), (9, "b9"), (10, "b10")),
-    )  # fmt: skip
-    verdict = pool.round_result(theirs)
+    theirs = ((7, "07"), (8, "a8"), (9, "b9"), (10, "b10"))
+    verdict = pool.round_result(facts(pool.snapshot(), adopted=True, chain=theirs))
     assert verdict.returned == [] and verdict.commits == [] and verdict.held == 2
     pool.finish(pool.take(10), final=False)
-    assert spans(pool.round_result(facts(pool.snapshot())).commits) == [(0, 16)]
+    verdict = pool.round_result(
+        facts(pool.snapshot(), chain=(*theirs, (11, "b11")), agreed=(10, "b10"))
+    )
+    assert spans(verdict.commits) == [(0, 16)] and verdict.held == 1
 
 
-def test_lone_rounds_commit_at_once_on_a_stage_with_one_replica() -> None:
+def test_rounds_commit_at_once_on_a_stage_with_one_replica() -> None:
     pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
     pool.open(lease(1, limit=16), SHARD)
     pool.finish(pool.take(2), final=False)
-    verdict = pool.round_result(facts(pool.snapshot(), merged=False, sole=True))
+    verdict = pool.round_result(facts(pool.snapshot(), sole=True, chain=(S0, (1, "a1"))))
     assert spans(verdict.commits) == [(0, 8)] and verdict.held == 0
+    assert verdict.rode_in == (1, "a1")
 
 
 def test_a_round_without_a_result_hands_its_windows_to_the_next_round() -> None:
@@ -179,7 +250,7 @@ def test_a_round_without_a_result_hands_its_windows_to_the_next_round() -> None:
     mark = pool.snapshot()
     with pytest.raises(ValueError, match="not the round in flight"):
         pool.round_result(facts(failed))
-    assert spans(pool.round_result(facts(mark)).commits) == [(0, 8)]
+    assert spans(pool.round_result(facts(mark, sole=True)).commits) == [(0, 8)]
 
 
 def test_fenced_lease_loses_its_windows_and_commits() -> None:
@@ -222,25 +293,24 @@ def test_a_full_pool_has_room_for_freed_ranges_up_to_twice_its_size() -> None:
     assert pool.room_for_freed() and not pool.wants_lease()
 
 
-# a round's outcome -> (applied, contributed, adopted, merged, sole)
+# a round's outcome -> (applied, contributed, adopted, sole)
 OUTCOMES = {
-    "failed": (False, False, False, False, False),  # no result came back
-    "not_applied": (False, False, False, True, False),
-    "rejected": (True, False, False, True, False),
-    "group": (True, True, False, True, False),
-    "lone": (True, True, False, False, False),
-    "lone_sole": (True, True, False, False, True),
-    "adopted_group": (True, True, True, True, False),
-    "adopted_rejected": (True, False, True, True, False),
-    "adopted_lone": (True, True, True, False, False),
+    "failed": (False, False, False, False),  # no result came back
+    "not_applied": (False, False, False, False),
+    "rejected": (True, False, False, False),
+    "stepped": (True, True, False, False),  # alone or by a group: the state is its own
+    "sole": (True, True, False, True),
+    "adopted": (True, True, True, False),
+    "adopted_rejected": (True, False, True, False),
 }
 
 
 class PoolMachine(RuleBasedStateMachine):
     """The pool against the history: per lease, the trained windows (with the round that
     carried each) and the committed offset; in flight, windows handed out and not yet
-    finished; every round's result. A commit must only cover windows whose round reached
-    the canonical state by the history; a window that went back must not have."""
+    finished; the chain of the state held; every round's result. A commit must only
+    cover windows whose round reached a state the stage agreed on by the history; a
+    window that went back must not have."""
 
     @initialize()
     def setup(self) -> None:
@@ -255,6 +325,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.handed: set[tuple[int, int]] = set()
         self.round = 0  # rounds begun: windows trained now ride in round `self.round`
         self.results: dict[int, RoundFacts] = {}
+        self.chain: tuple[Link, ...] = ((0, "00"),)  # the state held, last
 
     @rule(committed=st.integers(0, 6), length=st.integers(1, 10))
     def open(self, committed: int, length: int) -> None:
@@ -286,30 +357,39 @@ class PoolMachine(RuleBasedStateMachine):
             self.trained[w.lease.lease_id][w.start] = self.round
 
     def reached(self, gen: int) -> bool:
-        """Round `gen`'s training is in the canonical state by the history: contributed,
-        then an applied group round (or one as the only replica) at or after it with no
-        adopted state in between."""
+        """Round `gen`'s training is in a state the stage agreed on, by the history: it
+        contributed, and a later round's agreed state (in the chain then held) descends
+        from the state round `gen` made, or an applied round as the only replica holds
+        it, with no adopted state in between that dropped it."""
         first = self.results.get(gen)
         if first is None or not first.contributed:
             return False
+        made = (first.round, first.digest)
         for r in range(gen, self.round):
             f = self.results.get(r)
             if f is None:
                 continue
-            if r > gen and f.adopted and (first.round, first.digest) not in f.lineage:
-                return False  # the adopted state does not descend from round gen's
-            if f.applied and (f.merged or f.sole):
+            if made not in f.lineage:
+                return False  # an adopted state does not descend from round gen's
+            if f.applied and f.sole:
+                return True
+            if f.agreed in f.lineage and made in f.lineage[: f.lineage.index(f.agreed) + 1]:
                 return True
         return False
 
-    @rule(outcome=st.sampled_from(sorted(OUTCOMES)), descends=st.booleans())
-    def outer_round(self, outcome: str, descends: bool) -> None:
-        """One round's result; an adopted state `descends` from every state this replica
-        made so far (another replica stepped on top of them) or from none of them."""
-        result = outcome != "failed"
-        applied, contributed, adopted, merged, sole = OUTCOMES[outcome]
+    @rule(
+        outcome=st.sampled_from(sorted(OUTCOMES)),
+        descends=st.booleans(),
+        agreed=st.integers(-1, 4),
+    )
+    def outer_round(self, outcome: str, descends: bool, agreed: int) -> None:
+        """One round's result; an adopted state `descends` from the state held (another
+        replica stepped on top of it) or not. `agreed` picks the group's agreed state: one
+        of the chain's states held as the round began (counting back from the newest), a
+        state this replica never held, or none (-1)."""
+        applied, contributed, adopted, sole = OUTCOMES[outcome]
         mark = self.pool.snapshot()
-        if not result:  # failed: its windows ride in the next round
+        if outcome == "failed":  # its windows ride in the next round
             for trained in self.trained.values():
                 for s, g in trained.items():
                     if g == self.round:
@@ -317,11 +397,17 @@ class PoolMachine(RuleBasedStateMachine):
             self.round += 1
             return
         self.round += 1
-        made = tuple((r.round, r.digest) for r in self.results.values())
-        f = RoundFacts(
-            mark=mark, applied=applied, contributed=contributed, adopted=adopted,
-            merged=merged, sole=sole, round=self.round, digest=f"{self.round:x}",
-            lineage=made + ((self.round, f"{self.round:x}"),) if adopted and descends else (),
+        before = self.chain
+        if adopted:
+            theirs: Link = (self.round, f"b{self.round:x}")
+            self.chain = (*before, theirs) if descends else ((self.round - 1, "ee"), theirs)
+        elif applied:
+            self.chain = (*before, (self.round, f"{self.round:x}"))
+        began = self.chain[:-1] if self.chain != before else self.chain
+        pick = None if agreed < 0 else began[-1 - agreed] if agreed < len(began) else (0, "ff")
+        f = facts(
+            mark, applied=applied, contributed=contributed, adopted=adopted, sole=sole,
+            chain=self.chain, agreed=pick,
         )  # fmt: skip
         self.results[mark.gen] = f
         verdict = self.pool.round_result(f)
@@ -367,5 +453,5 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.tokens_committed == total
 
 
-PoolMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40, deadline=None)
 test_lease_pool_state_machine = PoolMachine.TestCase

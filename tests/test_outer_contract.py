@@ -79,6 +79,8 @@ REPLIES: list[c.Reply] = [
         seconds=1.25,
         rejected={"QmOther": "norm 3.0 above 1.0 x ||theta_g||"},
         digest="0123456789abcdef",
+        lineage=[(0, "00"), (1, "0123456789abcdef")],
+        agreed=(0, "00"),
     ),
     c.RoundFailed(error="no state: call set_state or fetch_state first"),
     c.Fatal(error="RuntimeError: boom"),
@@ -174,6 +176,9 @@ def _with(msg: Any, **changes: Any) -> dict[str, Any]:
         (c.RoundResult, _with(REPLIES[4], rejected={"a": 1})),
         (c.RoundResult, _with(REPLIES[4], rejected=[])),
         (c.RoundResult, _with(REPLIES[4], seconds=-1.0)),
+        (c.RoundResult, _with(REPLIES[4], agreed=[[1, "ab"], [2, "cd"]])),
+        (c.RoundResult, _with(REPLIES[4], agreed=[[1, "AB"]])),
+        (c.RoundResult, _with(REPLIES[4], agreed=None)),
         (c.Fatal, _with(REPLIES[6], error=b"bytes")),
     ],
 )

@@ -61,6 +61,7 @@ def test_group_round_gives_identical_state_and_a_joiner_downloads_it(
     b = start(links, child_env, run, a.dht_addrs())
     theta0 = params(0, 1.0)
     a.set_initial_state(theta0)
+    seeded = (0, a.digest)
     assert b.fetch_state(timeout=15) == 0 and b.digest == a.digest
     got = [torch.empty(N // 2), torch.empty(N // 2)]
     b.load_into(got)
@@ -76,6 +77,8 @@ def test_group_round_gives_identical_state_and_a_joiner_downloads_it(
     assert ra.round == rb.round == 1 and ra.applied and rb.applied
     assert ra.contributed and rb.contributed  # both weighted above zero
     assert ra.digest == rb.digest  # theta_g and m bitwise identical
+    # both held the seeded state as the round began: the stage agreed on it
+    assert ra.agreed == rb.agreed == seeded and seeded in ra.lineage
     assert torch.equal(a.theta_g(), b.theta_g())
     assert ra.bytes_out == ra.raw_bytes // 2  # fp16 on the wire
 
@@ -169,8 +172,9 @@ def test_a_group_with_nothing_to_average_settles_on_the_canonical_state(
 ) -> None:
     """Replicas out of data begin rounds with no tokens: nothing to average, but the group
     still settles which state is the stage's. A (a lone round ahead) keeps its state and
-    reports the round applied by a group of 2, so its held lone rounds can commit; B ends
-    on A's state."""
+    reports the round applied by a group of 2; B ends on A's state. Each state was held
+    by one member, so that round agrees on none; the next group, where both hold A's
+    state, agrees on it (A's held lone round can then commit)."""
     run = uuid.uuid4().hex[:8]
     a = start(links, child_env, run, [])
     b = start(links, child_env, run, a.dht_addrs())
@@ -190,6 +194,14 @@ def test_a_group_with_nothing_to_average_settles_on_the_canonical_state(
     assert ra2.round == 1 and ra2.digest == ra.digest  # A kept its state
     assert rb2.applied and rb2.rebased and rb2.digest == ra.digest, rb2  # B took it
     assert torch.equal(a.theta_g(), b.theta_g())
+    assert ra2.agreed is None and rb2.agreed is None
+    for _ in range(3):
+        a.begin_round([a.theta_g().clone()], 0)
+        b.begin_round([b.theta_g().clone()], 0)
+        ra3, rb3 = a.wait_result(30), b.wait_result(30)
+        if ra3.group_size == 2:
+            break
+    assert ra3.agreed == rb3.agreed == (1, ra.digest), (ra3, rb3)
 
 
 def test_the_stage_side_never_loaded_hivemind() -> None:
@@ -335,7 +347,7 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
             for i in range(1, LONE_ROUNDS_TO_MOVE):
                 train_b(2, seed=20 + i)
                 await until("B's lone rounds", lambda i=i: len(verdicts) == i + 1, 30)  # type: ignore[misc]
-            assert all(not f.merged and f.applied and not f.sole for f, _ in verdicts)
+            assert all(f.agreed is None and f.applied and not f.sole for f, _ in verdicts)
             assert not any(v.commits for _, v in verdicts)  # lone rounds: held, not committed
             assert verdicts[-1][1].held == LONE_ROUNDS_TO_MOVE
             # The old rule (move only before the first round) would leave B here for good.
@@ -345,17 +357,18 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
             # A's state replaced B's lineage: the held lone rounds' ranges went back
             assert [(r.start, r.end) for r in returned] == [(0, 4 * 2 * LONE_ROUNDS_TO_MOVE)]
             assert b._bootstrap == ids[0]
-            # Both train and round together: group rounds, and B's ranges commit
-            for attempt in range(4):
+            # Both train and round together: group rounds, and B's ranges commit once a
+            # group agrees on a state that holds them
+            for attempt in range(6):
                 seen = len(verdicts)
                 train_b(2 * LONE_ROUNDS_TO_MOVE + 2, seed=40 + attempt)
                 computes[ids[0]].train(every, seed=50 + attempt)
                 await until("a round", lambda seen=seen: len(verdicts) > seen, 40)  # type: ignore[misc]
                 if any(v.commits for _, v in verdicts[seen:]):
                     break
-            facts, verdict = verdicts[-1]
-            assert facts.merged and facts.contributed, facts
-            assert verdict.commits and verdict.commits[0].start == 0, verdict
+            facts, verdict = next((f, v) for f, v in verdicts[seen:] if v.commits)
+            assert facts.agreed is not None and facts.agreed in facts.lineage, facts
+            assert verdict.commits[0].start == 0 and verdict.rode_in == facts.agreed, verdict
             nursery.cancel_scope.cancel()
 
     try:

@@ -69,11 +69,17 @@ def scripted(tmp_path: Path) -> Iterator[tuple[OuterLink, socket.socket]]:
     peer.close()
 
 
-def result(rnd: int, **kw: Any) -> c.RoundResult:
+def chain(rnd: int, mark: str = "0") -> list[tuple[int, str]]:
+    """The lineage of the state of round `rnd` on a line of states marked `mark`."""
+    return [(r, f"{mark}{r:015x}") for r in range(rnd + 1)]
+
+
+def result(rnd: int, mark: str = "0", **kw: Any) -> c.RoundResult:
+    """A round's result whose state is round `rnd` of the line `mark` (`chain`)."""
     fields: dict[str, Any] = dict(
         round=rnd, applied=True, contributed=True, rebased=False, group_size=2, tokens=8,
         eta_r=0.7, bytes_out=0, bytes_in=0, raw_bytes=4 * NUMEL, seconds=0.1, rejected={},
-        digest=f"{rnd:016x}",
+        digest=f"{mark}{rnd:015x}", lineage=chain(rnd, mark),
     )  # fmt: skip
     fields.update(kw)
     return c.RoundResult(**fields)
@@ -153,42 +159,96 @@ def test_a_round_not_applied_and_a_rejected_contribution_commit_nothing(
         [
             result(0, applied=False, contributed=False),  # the state did not move
             result(1, contributed=False, rejected={"me": "staleness 9 above bound 4"}),
-            result(2),  # a group round with this replica's contribution
+            result(2, agreed=chain(1)[-1]),  # a group round with this replica's contribution
+            result(3, agreed=chain(2)[-1]),  # the next group agrees on the state it made
         ],
     )  # fmt: skip
-    assert steps() - before == 2  # only applied rounds are outer steps
-    assert compute.steps_at_snapshot == 3  # every snapshot flushed pending gradients
-    (f0, v0), (f1, v1), (f2, v2) = seen
+    assert steps() - before == 3  # only applied rounds are outer steps
+    assert compute.steps_at_snapshot == 4  # every snapshot flushed pending gradients
+    (f0, v0), (f1, v1), (f2, v2), (f3, v3) = seen
     assert not f0.applied and not f0.contributed
     assert spans(v0) == ([], [(0, 8)])
     assert f1.applied and not f1.contributed and spans(v1) == ([], [(0, 8)])
-    # the windows that went back were trained again and ride in the third round
-    assert f2.contributed and f2.merged and spans(v2) == ([(0, 8)], [])
+    # the windows that went back were trained again and ride in the third round, which
+    # holds them until a group agrees on the state it made
+    assert f2.contributed and f2.agreed == chain(1)[-1] and spans(v2) == ([], [])
+    assert v2.held == 1
+    assert spans(v3) == ([(0, 8)], []) and v3.held == 1 and v3.rode_in == chain(2)[-1]
     assert [e["round"] for e in read_events(events, "round_not_applied")] == [0]
     applied = read_events(events, "round_applied")
-    assert [(e["round"], e["contributed"]) for e in applied] == [(1, False), (2, True)]
+    assert [(e["round"], e["contributed"]) for e in applied] == [(1, False), (2, True), (3, True)]
 
 
 def test_a_lone_round_then_an_adopted_state_hands_the_lone_rounds_ranges_back(
     scripted: tuple[OuterLink, socket.socket], tmp_path: Path
 ) -> None:
     link, peer = scripted
+    theirs = chain(3, "b")
     _, seen, _ = run_rounds(
         link, peer, tmp_path / "events.jsonl",
         [
             result(1, group_size=1),  # stepped alone while other replicas exist: held
-            result(3, rebased=True),  # the group's state replaced this replica's
-            result(4, group_size=1),  # [0, 8) trained again, alone again: held
-            result(5),  # a group round on this replica's state confirms it
+            # the group's state replaced this replica's
+            result(3, "b", rebased=True, agreed=theirs[2]),
+            # [0, 8) trained again, alone again: held
+            result(4, digest="0" * 16, lineage=[*theirs, (4, "0" * 16)], group_size=1),
+            # a group agrees on this replica's state: what it carried is committed
+            result(5, digest="1" * 16, lineage=[*theirs, (4, "0" * 16), (5, "1" * 16)],
+                   agreed=(4, "0" * 16)),
         ],
     )  # fmt: skip
     (f0, v0), (f1, v1), (f2, v2), (f3, v3) = seen
-    assert not f0.merged and not f0.sole and spans(v0) == ([], []) and v0.held == 1
+    assert f0.agreed is None and not f0.sole and spans(v0) == ([], []) and v0.held == 1
     # the lone round's [0, 8) is gone from the adopted state; this round's [8, 16) was
-    # merged by the group into it
-    assert f1.adopted and spans(v1) == ([], [(0, 8)]) and v1.held == 0
-    assert spans(v2) == ([], []) and v2.held == 1  # [8, 16) is in; the gap holds it back
-    assert spans(v3) == ([(0, 24)], []) and v3.held == 0  # with this round's [16, 24)
+    # merged by the group into it, and waits
+    assert f1.adopted and spans(v1) == ([], [(0, 8)]) and v1.held == 1
+    assert spans(v2) == ([], []) and v2.held == 2
+    assert spans(v3) == ([(0, 16)], []) and v3.held == 1  # this round's [16, 24) waits
+
+
+def test_a_drain_runs_one_more_round_while_a_contribution_waits_for_agreement(
+    scripted: tuple[OuterLink, socket.socket], tmp_path: Path
+) -> None:
+    """The last round before a drain carried a contribution no group has agreed on yet:
+    `finish` runs one more round (with no tokens) for a group to agree on it, and stops
+    once one has."""
+    link, peer = scripted
+    compute = Compute()
+    worker = TorchWorker()
+    pending: list[int] = []
+
+    async def on_round(_state: object, facts: RoundFacts) -> None:
+        pending.append(rounds.unconfirmed)
+
+    rounds = OuterRounds(
+        worker, compute, link, every_steps=1, snapshot=LeasePool(seq_len=SEQ, max_open=1, shard_cache=1).snapshot,  # type: ignore[arg-type]
+        on_round=on_round, sole_replica=lambda: False, events=EventLog(tmp_path / "ev.jsonl"),
+    )  # fmt: skip
+    decoder = FrameDecoder(max_frame=c.MAX_CONTROL_FRAME)
+    peer.settimeout(5.0)
+    begins: list[c.Begin] = []
+
+    def answer(reply: c.RoundResult) -> None:
+        [begin] = [c.decode_command(p) for p in decoder.feed(peer.recv(1 << 16))]
+        assert isinstance(begin, c.Begin)
+        begins.append(begin)
+        peer.sendall(c.encode(reply))
+
+    async def main() -> None:
+        compute.tokens_trained += 2 * SEQ
+        await rounds.begin()
+        answer(result(1, agreed=chain(0)[-1]))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rounds.finish, 10.0)
+            # the drain waits for the round in flight, then begins one more for agreement
+            await trio.to_thread.run_sync(answer, result(2, contributed=False, agreed=chain(1)[-1]))
+
+    try:
+        trio.run(main)
+    finally:
+        worker.close()
+    assert [b.tokens for b in begins] == [2 * SEQ, 0]
+    assert pending == [1, -1]  # round 1's state waited, and round 2's group agreed on it
 
 
 def test_a_replica_joins_a_forming_group_after_a_quarter_of_its_steps(

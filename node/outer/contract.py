@@ -39,17 +39,17 @@ from node.outer.contract_fields import (
     MAX_STAGE,
     MAX_TEXT,
     MAX_WAIT_S,
-    attested_of,
     bool_of,
     fields_of,
     float_of,
     int_of,
     lineage_of,
+    link_of,
     path_of,
     str_of,
     strs_of,
     tagged,
-    with_attested,
+    with_link,
 )
 from node.outer.settings import COMPRESSIONS, MAX_COUNT, DilocoConfig, OuterConfig
 from protocol.codec import packb
@@ -168,13 +168,13 @@ class Fetch:
     attested: Link | None = None  # take only this (round, digest) (None: any valid state)
 
     def to_wire(self) -> dict[str, Any]:
-        return with_attested({"op": self.OP, "timeout_s": self.timeout_s}, self.attested)
+        return with_link({"op": self.OP, "timeout_s": self.timeout_s}, "attested", self.attested)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
         d = fields_of(cls, obj, optional=("attested",))
         timeout = float_of(d, "timeout_s", cls, lo=0.0, hi=MAX_WAIT_S, lo_open=True)
-        return cls(timeout_s=timeout, attested=attested_of(d, cls))
+        return cls(timeout_s=timeout, attested=link_of(d, "attested", cls))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,7 +191,7 @@ class Begin:
         out: dict[str, Any] = {"op": self.OP, "tokens": self.tokens}
         if self.target_tokens is not None:
             out["target_tokens"] = self.target_tokens
-        return with_attested(out, self.attested)
+        return with_link(out, "attested", self.attested)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
@@ -200,7 +200,7 @@ class Begin:
         if "target_tokens" in d:
             target = int_of(d, "target_tokens", cls, lo=0, hi=MAX_COUNT)
         tokens = int_of(d, "tokens", cls, lo=0, hi=MAX_COUNT)
-        return cls(tokens=tokens, target_tokens=target, attested=attested_of(d, cls))
+        return cls(tokens=tokens, target_tokens=target, attested=link_of(d, "attested", cls))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -341,16 +341,21 @@ class RoundResult:
     digest: str  # blake2b of (round, theta_g, m): equal digests mean bitwise-equal states
     # the chain of the state held now, ending with it (protocol.lineage)
     lineage: list[Link] = dataclasses.field(default_factory=list)
+    # a group round's canonical state when at least two members held it as the round
+    # began (None: stepped alone, or no state of the group was held twice)
+    agreed: Link | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "agreed"
+        }
         out["rejected"] = dict(self.rejected)
         out["lineage"] = to_plain(self.lineage)
-        return {"op": self.OP, **out}
+        return with_link({"op": self.OP, **out}, "agreed", self.agreed)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj)
+        d = fields_of(cls, obj, optional=("agreed",))
         rejected = d["rejected"]
         if type(rejected) is not dict or len(rejected) > MAX_PEERS:
             raise ProtocolError(f"result: 'rejected' must be a map of at most {MAX_PEERS} entries")
@@ -374,6 +379,7 @@ class RoundResult:
             rejected=dict(rejected),
             digest=str_of(d, "digest", cls, max_len=MAX_DIGEST),
             lineage=lineage_of(d, cls),
+            agreed=link_of(d, "agreed", cls),
         )
 
 

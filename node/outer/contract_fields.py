@@ -96,18 +96,20 @@ def lineage_of(d: dict[str, Any], cls: type) -> list[Link]:
     return check_lineage(d["lineage"], f"{where(cls)}: lineage")
 
 
-def with_attested(out: dict[str, Any], attested: Link | None) -> dict[str, Any]:
-    if attested is not None:
-        out["attested"] = to_plain([attested])
+def with_link(out: dict[str, Any], key: str, link: Link | None) -> dict[str, Any]:
+    """`out` with the optional (round, digest) `link` under `key` (absent when None)."""
+    if link is not None:
+        out[key] = to_plain([link])
     return out
 
 
-def attested_of(d: dict[str, Any], cls: type) -> Link | None:
-    if "attested" not in d:
+def link_of(d: dict[str, Any], key: str, cls: type) -> Link | None:
+    """The optional (round, digest) under `key`, checked; None when absent."""
+    if key not in d:
         return None
-    got = check_lineage(d["attested"], f"{where(cls)}: attested")
+    got = check_lineage(d[key], f"{where(cls)}: {key}")
     if len(got) != 1:
-        raise ProtocolError(f"{where(cls)}: attested must be one [round, digest] pair")
+        raise ProtocolError(f"{where(cls)}: {key} must be one [round, digest] pair")
     return got[0]
 
 

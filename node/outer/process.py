@@ -320,6 +320,7 @@ class OuterProcess:
             log.info("no group this round (%r); stepping alone", exc)
             info = None
         bytes_out, bytes_in, rejected = 0, 0, {}
+        agreed = self.agreed(info, attested) if isinstance(info, dict) else None
         if isinstance(info, dict) and not info.get("has_delta") and len(info["gathered"]) > 1:
             # A group formed but had nothing to average (no tokens anywhere, e.g. replicas
             # out of data whose trained work waits for a group round): it still settles
@@ -358,6 +359,7 @@ class OuterProcess:
             rejected=rejected,
             digest=self.digest,
             lineage=list(self.lineage),
+            agreed=agreed,
         )
 
     def step_alone(
@@ -391,6 +393,17 @@ class OuterProcess:
             key=lambda s: (claims.count(s), s == attested, s[0], [-ord(ch) for ch in s[1]]),
         )
         return head, [p for p, s in held.items() if s == head]
+
+    @classmethod
+    def agreed(cls, info: dict[str, Any], attested: Link | None = None) -> Link | None:
+        """The group's canonical state when at least two members held it as the round
+        began, else None. Two holders of one state make it the stage's (the commit rule,
+        node/lease_pool.py): a state only one replica held may still lose to another of
+        the same round at the next group, whatever this round made of it."""
+        if len(info.get("gathered", ())) < 2:
+            return None
+        head, holders = cls.canonical(info, attested)
+        return head if len(holders) >= 2 else None
 
     def settle_group_round(
         self, info: dict[str, Any], attested: Link | None
