@@ -350,14 +350,16 @@ class OuterRounds:
 
     async def finish(self, timeout_s: float) -> None:
         """Drain: wait for the round in flight, run one more to cover the rest, and one
-        more while a contribution waits for the stage to agree on its state."""
+        more, once, while a contribution waits for the stage to agree on its state."""
+        confirming = False
         with trio.move_on_after(timeout_s) as scope:
             for _ in range(3):
                 async with self._tick_lock:
                     if self._in_flight is None:
-                        trained = self.compute.tokens_trained != self._tokens_at_last
-                        if not trained and (self.unconfirmed < 0 or self._sole_fn()):
-                            return
+                        if self.compute.tokens_trained == self._tokens_at_last:
+                            if confirming or self.unconfirmed < 0 or self._sole_fn():
+                                return
+                            confirming = True
                         await self.begin()
                 while self._in_flight is not None:
                     await trio.sleep(POLL_S)

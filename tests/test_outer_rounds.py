@@ -206,12 +206,13 @@ def test_a_lone_round_then_an_adopted_state_hands_the_lone_rounds_ranges_back(
     assert spans(v3) == ([(0, 16)], []) and v3.held == 1  # this round's [16, 24) waits
 
 
+@pytest.mark.parametrize("agrees", [True, False])
 def test_a_drain_runs_one_more_round_while_a_contribution_waits_for_agreement(
-    scripted: tuple[OuterLink, socket.socket], tmp_path: Path
+    scripted: tuple[OuterLink, socket.socket], tmp_path: Path, agrees: bool
 ) -> None:
     """The last round before a drain carried a contribution no group has agreed on yet:
-    `finish` runs one more round (with no tokens) for a group to agree on it, and stops
-    once one has."""
+    `finish` runs one more round (with no tokens) for a group to agree on it, once,
+    whether or not that round agreed."""
     link, peer = scripted
     compute = Compute()
     worker = TorchWorker()
@@ -241,14 +242,19 @@ def test_a_drain_runs_one_more_round_while_a_contribution_waits_for_agreement(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(rounds.finish, 10.0)
             # the drain waits for the round in flight, then begins one more for agreement
-            await trio.to_thread.run_sync(answer, result(2, contributed=False, agreed=chain(1)[-1]))
+            confirm = result(2, contributed=False, agreed=chain(1)[-1] if agrees else None)
+            await trio.to_thread.run_sync(answer, confirm)
 
     try:
         trio.run(main)
     finally:
         worker.close()
     assert [b.tokens for b in begins] == [2 * SEQ, 0]
-    assert pending == [1, -1]  # round 1's state waited, and round 2's group agreed on it
+    # round 1's state waited; round 2's group agreed on it, or not
+    assert pending == [1, -1 if agrees else 1]
+    peer.setblocking(False)
+    with pytest.raises(BlockingIOError):  # no third round began
+        peer.recv(1 << 16)
 
 
 def test_a_replica_joins_a_forming_group_after_a_quarter_of_its_steps(
