@@ -288,6 +288,11 @@ class LeasePool:
             rode_in=rode_in if agreed else None,
         )
 
+    @property
+    def held(self) -> int:
+        """Contributed rounds whose commits wait for the stage to agree on their state."""
+        return len(self._held)
+
     def state_replaced(self) -> list[CommitRange]:
         """The global state was replaced by another replica's outside a round (a rebase:
         the working copy keeps what it trained since its last round, which rides in the

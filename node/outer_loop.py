@@ -79,8 +79,11 @@ class OuterLoop:
         events: EventLog | None = None,
         on_replaced: OnReplaced | None = None,  # a move took another replica's state
         attested: Callable[[], Attested] | None = None,  # the stage's, as last told
+        # contributions wait for the stage to agree on their state (the lease pool's)
+        waiting: Callable[[], bool] | None = None,
     ) -> None:
         self.worker = worker
+        self.waiting = waiting
         self.attested = attested or (lambda: None)
         self.compute = compute
         self.peers = peers
@@ -114,6 +117,7 @@ class OuterLoop:
         events: EventLog | None = None,
         on_replaced: OnReplaced | None = None,
         attested: Callable[[], Attested] | None = None,
+        waiting: Callable[[], bool] | None = None,
     ) -> OuterLoop:
         """The outer loop with a node's settings."""
         return cls(
@@ -121,7 +125,7 @@ class OuterLoop:
             every_steps=cfg.outer_every_steps, tokens_per_step=cfg.inner_batch_tokens,
             snapshot=snapshot, on_state=on_state, announce_dht=announce_dht,
             checkpoint_dir=cfg.checkpoint_dir, events=events, on_replaced=on_replaced,
-            attested=attested,
+            attested=attested, waiting=waiting,
         )  # fmt: skip
 
     def round_target(self) -> int:
@@ -185,6 +189,7 @@ class OuterLoop:
             target_tokens=self.round_target,
             events=self.events,
             attested=self.attested,
+            waiting=self.waiting,
         )
 
     async def _round_done(self, state: GlobalState, facts: RoundFacts) -> None:

@@ -59,8 +59,12 @@ class OuterRounds:
         target_tokens: Callable[[], int] | None = None,
         events: EventLog | None = None,
         attested: Callable[[], Attested] | None = None,
+        # contributions wait for the stage to agree on the state that holds them (the
+        # lease pool's held rounds): a drain runs one more round for them
+        waiting: Callable[[], bool] | None = None,
     ) -> None:
         self.worker = worker
+        self._waiting_fn = waiting or (lambda: False)
         # the stage's attested (round, digest) now, as the coordinator last said: a state
         # is fetched, and a round rebases, onto that one only (None: none known)
         self._attested_fn = attested or (lambda: None)
@@ -90,10 +94,6 @@ class OuterRounds:
         self._peeked_at = 0.0  # monotonic seconds of the last look
         self.joined_early = 0  # rounds begun early to join a waiting replica
         self._joining = False  # the round in flight began early, to join one
-        # the round of the newest state holding a contribution of this replica that waits
-        # for the stage to agree on it (the commit rule, node/lease_pool.py; -1: none):
-        # a drain runs one more round for it
-        self.unconfirmed = -1
         self.events = events or EventLog()
 
     @classmethod
@@ -113,6 +113,7 @@ class OuterRounds:
         target_tokens: Callable[[], int] | None = None,
         events: EventLog | None = None,
         attested: Callable[[], Attested] | None = None,
+        waiting: Callable[[], bool] | None = None,
     ) -> OuterRounds:
         numel = sum(p.numel() for p in compute.parameters())
         # Abandoned on cancel (Ctrl-C during start-up): the outer process exits by itself
@@ -131,7 +132,7 @@ class OuterRounds:
         return cls(
             worker, compute, link, every_steps=every_steps, snapshot=snapshot,
             on_round=on_round, sole_replica=sole_replica, target_tokens=target_tokens,
-            events=events, attested=attested,
+            events=events, attested=attested, waiting=waiting,
         )  # fmt: skip
 
     async def load_state(
@@ -341,11 +342,6 @@ class OuterRounds:
             lineage=tuple(result.lineage),
             agreed=result.agreed,
         )
-        agreed = facts.agreed if facts.agreed in facts.lineage else None
-        if (facts.applied and facts.sole) or (agreed and agreed[0] >= self.unconfirmed):
-            self.unconfirmed = -1
-        if facts.contributed and not (facts.applied and facts.sole):
-            self.unconfirmed = facts.round
         await self._on_round(await self.worker.run(self.capture), facts)
 
     async def finish(self, timeout_s: float) -> None:
@@ -357,7 +353,7 @@ class OuterRounds:
                 async with self._tick_lock:
                     if self._in_flight is None:
                         if self.compute.tokens_trained == self._tokens_at_last:
-                            if confirming or self.unconfirmed < 0 or self._sole_fn():
+                            if confirming or not self._waiting_fn() or self._sole_fn():
                                 return
                             confirming = True
                         await self.begin()

@@ -157,6 +157,7 @@ class Node:
                         snapshot=self.pool.snapshot, on_state=self._on_global_state,
                         announce_dht=self.client.announce_dht, events=self.events,
                         on_replaced=self._on_state_replaced, attested=self._attested,
+                        waiting=lambda: self.pool.held > 0,
                     )  # fmt: skip
                     await self.outer.start()
                     nursery.start_soon(self.outer.run)

@@ -206,24 +206,33 @@ def test_a_lone_round_then_an_adopted_state_hands_the_lone_rounds_ranges_back(
     assert spans(v3) == ([(0, 16)], []) and v3.held == 1  # this round's [16, 24) waits
 
 
-@pytest.mark.parametrize("agrees", [True, False])
+@pytest.mark.parametrize("confirm", ["agrees", "disagrees", "nothing_waits"])
 def test_a_drain_runs_one_more_round_while_a_contribution_waits_for_agreement(
-    scripted: tuple[OuterLink, socket.socket], tmp_path: Path, agrees: bool
+    scripted: tuple[OuterLink, socket.socket], tmp_path: Path, confirm: str
 ) -> None:
     """The last round before a drain carried a contribution no group has agreed on yet:
     `finish` runs one more round (with no tokens) for a group to agree on it, once,
-    whether or not that round agreed."""
+    whether or not that round agreed; and none when no contribution waits."""
     link, peer = scripted
     compute = Compute()
     worker = TorchWorker()
-    pending: list[int] = []
+    pool = LeasePool(seq_len=SEQ, max_open=1, shard_cache=1)
+    pool.open(
+        LeaseInfo(
+            lease_id=1, shard_id=0, epoch=1, data_epoch=0, committed=0, limit=64,
+            shard_tokens=64, expires_at=0.0, state="active",
+        ),
+        bytes(64),
+    )  # fmt: skip
+    held: list[int] = []
 
     async def on_round(_state: object, facts: RoundFacts) -> None:
-        pending.append(rounds.unconfirmed)
+        held.append(pool.round_result(facts).held)
 
     rounds = OuterRounds(
-        worker, compute, link, every_steps=1, snapshot=LeasePool(seq_len=SEQ, max_open=1, shard_cache=1).snapshot,  # type: ignore[arg-type]
+        worker, compute, link, every_steps=1, snapshot=pool.snapshot,  # type: ignore[arg-type]
         on_round=on_round, sole_replica=lambda: False, events=EventLog(tmp_path / "ev.jsonl"),
+        waiting=lambda: pool.held > 0,
     )  # fmt: skip
     decoder = FrameDecoder(max_frame=c.MAX_CONTROL_FRAME)
     peer.settimeout(5.0)
@@ -236,22 +245,25 @@ def test_a_drain_runs_one_more_round_while_a_contribution_waits_for_agreement(
         peer.sendall(c.encode(reply))
 
     async def main() -> None:
+        pool.finish(pool.take(2), final=False)
         compute.tokens_trained += 2 * SEQ
         await rounds.begin()
-        answer(result(1, agreed=chain(0)[-1]))
+        answer(result(1, agreed=chain(0)[-1], contributed=confirm != "nothing_waits"))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(rounds.finish, 10.0)
-            # the drain waits for the round in flight, then begins one more for agreement
-            confirm = result(2, contributed=False, agreed=chain(1)[-1] if agrees else None)
-            await trio.to_thread.run_sync(answer, confirm)
+            if confirm != "nothing_waits":  # the drain begins one more round for agreement
+                agreed = chain(1)[-1] if confirm == "agrees" else None
+                await trio.to_thread.run_sync(answer, result(2, contributed=False, agreed=agreed))
 
     try:
         trio.run(main)
     finally:
         worker.close()
-    assert [b.tokens for b in begins] == [2 * SEQ, 0]
-    # round 1's state waited; round 2's group agreed on it, or not
-    assert pending == [1, -1 if agrees else 1]
+    if confirm == "nothing_waits":  # the group left round 1's contribution out
+        assert [b.tokens for b in begins] == [2 * SEQ] and held == [0]
+    else:  # round 1's contribution waited; round 2's group agreed on its state, or not
+        assert [b.tokens for b in begins] == [2 * SEQ, 0]
+        assert held == [1, 0 if confirm == "agrees" else 1]
     peer.setblocking(False)
     with pytest.raises(BlockingIOError):  # no third round began
         peer.recv(1 << 16)
