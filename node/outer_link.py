@@ -397,6 +397,9 @@ class OuterLink:
         try:
             self._inbox.extend(decode_reply(p) for p in self._decoder.feed(data))
         except ProtocolError as exc:
+            # The reply awaited was (most likely) the one that failed: the operation is
+            # over, so the link takes the next command instead of waiting for it forever.
+            self._pending = None
             raise OuterLinkError(f"malformed control frame from the outer process: {exc}") from exc
 
     def _take(self, kinds: tuple[type, ...]) -> Reply | None:

@@ -23,8 +23,9 @@ from node.outer import contract as c
 from node.outer_link import OuterLink
 from node.outer_rounds import OuterRounds
 from node.worker import TorchWorker
+from protocol.codec import packb
 from protocol.control import LeaseInfo
-from protocol.framing import FrameDecoder
+from protocol.framing import FrameDecoder, frame
 
 SEQ = 4
 NUMEL = 8
@@ -267,6 +268,47 @@ def test_a_drain_runs_one_more_round_while_a_contribution_waits_for_agreement(
     peer.setblocking(False)
     with pytest.raises(BlockingIOError):  # no third round began
         peer.recv(1 << 16)
+
+
+def test_a_malformed_result_fails_the_round_and_the_next_round_begins(
+    scripted: tuple[OuterLink, socket.socket], tmp_path: Path
+) -> None:
+    """A result the contract refuses (an outer process of another version, say) fails
+    that round with a clear error; the link is not left waiting for it, so the next
+    round begins."""
+    link, peer = scripted
+    pool = LeasePool(seq_len=SEQ, max_open=1, shard_cache=1)
+    worker = TorchWorker()
+    compute = Compute()
+    rounds = OuterRounds(
+        worker, compute, link, every_steps=1, snapshot=pool.snapshot,  # type: ignore[arg-type]
+        on_round=lambda _s, _f: trio.sleep(0), sole_replica=lambda: False,
+        events=EventLog(tmp_path / "ev.jsonl"),
+    )  # fmt: skip
+    decoder = FrameDecoder(max_frame=c.MAX_CONTROL_FRAME)
+    peer.settimeout(5.0)
+    failed_before = metrics.OUTER_ROUNDS.labels("failed")._value.get()  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        await rounds.begin()
+        [begin] = [c.decode_command(p) for p in decoder.feed(peer.recv(1 << 16))]
+        assert isinstance(begin, c.Begin)
+        bad = {**result(1).to_wire(), "group_size": 0}
+        peer.sendall(frame(packb(bad), max_frame=c.MAX_CONTROL_FRAME))
+        with trio.fail_after(5.0):
+            while rounds.in_flight:
+                await rounds.tick()
+                await trio.sleep(0.01)
+        await rounds.begin()  # not refused as "an operation is in flight"
+        [again] = [c.decode_command(p) for p in decoder.feed(peer.recv(1 << 16))]
+        assert isinstance(again, c.Begin)
+
+    try:
+        trio.run(main)
+    finally:
+        worker.close()
+    failed = metrics.OUTER_ROUNDS.labels("failed")._value.get()  # type: ignore[attr-defined]
+    assert failed == failed_before + 1
 
 
 def test_a_replica_joins_a_forming_group_after_a_quarter_of_its_steps(
