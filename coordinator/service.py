@@ -31,6 +31,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.placement import MemoryFit
 from coordinator.verify import PeerIds, signature_ok
 from protocol import control as c
+from protocol.addrs import owner_problem
 from protocol.codec import schema_limits
 from protocol.corpus import Manifest, ShardInfo, shard_slice
 from protocol.errors import ProtocolError
@@ -241,6 +242,8 @@ class Service:
             return _err("bad_request", f"stage {req.stage} >= n_stages {self.cfg.n_stages}")
         if req.observer and req.stage is not None:
             return _err("bad_request", "an observer is on no stage: leave `stage` unset")
+        if (why := owner_problem(req.dht_addrs, peer_id)) is not None:
+            return _err("bad_request", f"dht_addrs: {why}")
         fits = None if req.observer else self.memory_fit.stages(req.memory)
         if fits is not None and req.memory is not None:
             why = self.memory_fit.refusal(req.memory, fits, req.stage)
@@ -320,6 +323,9 @@ class Service:
         )
 
     def _heartbeat(self, peer: Peer, req: c.HeartbeatRequest, now: float) -> Message:
+        if req.dht_addrs is not None:
+            if (why := owner_problem(req.dht_addrs, peer.peer_id)) is not None:
+                return _err("bad_request", f"dht_addrs: {why}")
         self.membership.renew(peer.peer_id, now, req.throughput)
         if req.state is not None and not peer.observer:
             self.attest.report(peer.peer_id, peer.stage, (req.state.round, req.state.digest))

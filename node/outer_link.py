@@ -61,6 +61,7 @@ from node.outer.contract import (
 )
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder
+from protocol.identity import libp2p_peer_id
 from protocol.lineage import Link
 
 __all__ = [
@@ -134,10 +135,13 @@ class OuterLink:
         env: dict[str, str] | None = None,
         python: str = sys.executable,
         entry: Sequence[str] = ("-m", "node.outer"),
+        identity: bytes = b"",
     ) -> OuterLink:
         """Start the outer process for `stage` of `run_id`, waiting (up to
         `config.startup_timeout_s`) until its DHT is up. `entry` is what follows the
-        interpreter on its command line (a rogue outer process in chaos tools and tests)."""
+        interpreter on its command line (a rogue outer process in chaos tools and tests).
+        `identity` (`NodeKey.libp2p_private_key`) is the key its DHT runs under, so its
+        peer id is the node's; b"" gives it a fresh one."""
         cfg = config or OuterConfig()
         if numel <= 0:
             raise ValueError(f"numel must be > 0, got {numel}")
@@ -177,9 +181,15 @@ class OuterLink:
                     result=str(result),
                     momentum=str(momentum),
                     config=cfg,
+                    identity=identity,
                 )
             )
             link._ready = link._expect(Ready, cfg.startup_timeout_s)
+            if identity and link._ready.peer_id != libp2p_peer_id(identity):
+                raise OuterLinkError(
+                    f"the outer process runs as {link._ready.peer_id}, not as the node's key "
+                    f"{libp2p_peer_id(identity)}"
+                )
         except BaseException:
             link.close(timeout=5.0)
             raise
@@ -261,13 +271,16 @@ class OuterLink:
         tokens: int,
         target_tokens: int | None = None,
         attested: tuple[int, str] | None = None,
+        members: Sequence[str] | None = None,
     ) -> None:
         """Hand the working copy (as it is now) and the tokens trained since the last
         theta_g to the outer process, which runs the round in the background.
         `target_tokens` (a full round's tokens over the stage's replicas) replaces
         `DilocoConfig.target_tokens` from this round on; None keeps it. `attested` is the
         stage's attested (round, digest): the round first rebases onto that state when it
-        is newer than the one held (and onto no other)."""
+        is newer than the one held (and onto no other). `members` (peer ids) are the
+        stage's replicas as the coordinator lists them: the round admits no other peer
+        to its group; None admits any."""
         self._require_idle()
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
@@ -276,7 +289,10 @@ class OuterLink:
         if target_tokens is not None and target_tokens < 0:
             raise ValueError(f"target_tokens must be >= 0, got {target_tokens}")
         target = None if target_tokens is None else int(target_tokens)
-        self._send(Begin(tokens=int(tokens), target_tokens=target, attested=attested))
+        listed = None if members is None else list(members)
+        self._send(
+            Begin(tokens=int(tokens), target_tokens=target, attested=attested, members=listed)
+        )
         self._pending = RoundResult.OP
         self.stall_s += time.monotonic() - t0
 

@@ -81,8 +81,10 @@ class OuterLoop:
         attested: Callable[[], Attested] | None = None,  # the stage's, as last told
         # contributions wait for the stage to agree on their state (the lease pool's)
         waiting: Callable[[], bool] | None = None,
+        identity: bytes = b"",  # the node's key (NodeKey.libp2p_private_key)
     ) -> None:
         self.worker = worker
+        self.identity = identity
         self.waiting = waiting
         self.attested = attested or (lambda: None)
         self.compute = compute
@@ -118,6 +120,7 @@ class OuterLoop:
         on_replaced: OnReplaced | None = None,
         attested: Callable[[], Attested] | None = None,
         waiting: Callable[[], bool] | None = None,
+        identity: bytes = b"",
     ) -> OuterLoop:
         """The outer loop with a node's settings."""
         return cls(
@@ -125,7 +128,7 @@ class OuterLoop:
             every_steps=cfg.outer_every_steps, tokens_per_step=cfg.inner_batch_tokens,
             snapshot=snapshot, on_state=on_state, announce_dht=announce_dht,
             checkpoint_dir=cfg.checkpoint_dir, events=events, on_replaced=on_replaced,
-            attested=attested, waiting=waiting,
+            attested=attested, waiting=waiting, identity=identity,
         )  # fmt: skip
 
     def round_target(self) -> int:
@@ -190,6 +193,8 @@ class OuterLoop:
             events=self.events,
             attested=self.attested,
             waiting=self.waiting,
+            identity=self.identity,
+            members=self.peers.stage_members,
         )
 
     async def _round_done(self, state: GlobalState, facts: RoundFacts) -> None:

@@ -62,8 +62,12 @@ class OuterRounds:
         # contributions wait for the stage to agree on the state that holds them (the
         # lease pool's held rounds): a drain runs one more round for them
         waiting: Callable[[], bool] | None = None,
+        # the stage's replicas as the coordinator lists them (peer ids): groups admit no
+        # other peer (None: anyone)
+        members: Callable[[], list[str]] | None = None,
     ) -> None:
         self.worker = worker
+        self._members_fn: Callable[[], list[str] | None] = members or (lambda: None)
         self._waiting_fn = waiting or (lambda: False)
         # the stage's attested (round, digest) now, as the coordinator last said: a state
         # is fetched, and a round rebases, onto that one only (None: none known)
@@ -114,7 +118,11 @@ class OuterRounds:
         events: EventLog | None = None,
         attested: Callable[[], Attested] | None = None,
         waiting: Callable[[], bool] | None = None,
+        identity: bytes = b"",
+        members: Callable[[], list[str]] | None = None,
     ) -> OuterRounds:
+        """Start the outer process (under the node's key `identity`, so its DHT peer id is
+        the node's) and the rounds that drive it."""
         numel = sum(p.numel() for p in compute.parameters())
         # Abandoned on cancel (Ctrl-C during start-up): the outer process exits by itself
         # once this process, the other end of its socket, is gone.
@@ -125,6 +133,7 @@ class OuterRounds:
                 numel=numel,
                 initial_peers=initial_peers,
                 config=config,
+                identity=identity,
             ),
             abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-typing stubs predate it
         )
@@ -132,7 +141,7 @@ class OuterRounds:
         return cls(
             worker, compute, link, every_steps=every_steps, snapshot=snapshot,
             on_round=on_round, sole_replica=sole_replica, target_tokens=target_tokens,
-            events=events, attested=attested, waiting=waiting,
+            events=events, attested=attested, waiting=waiting, members=members,
         )  # fmt: skip
 
     async def load_state(
@@ -292,7 +301,9 @@ class OuterRounds:
         # Gradients of finished micro-batches that no inner step has applied yet would
         # otherwise reach theta_g one round later than the round that commits them.
         self.compute.step()
-        self.link.begin_round(self.compute.parameters(), tokens, target, self._attested_fn())
+        self.link.begin_round(
+            self.compute.parameters(), tokens, target, self._attested_fn(), self._members_fn()
+        )
 
     async def _apply(self, result: RoundResult) -> None:
         mark, self._in_flight = self._in_flight, None

@@ -137,6 +137,11 @@ class PeerView:
         """Members training this node's stage, itself included (at least 1)."""
         return max(1, len(self._on_stage(self.stage)))
 
+    def stage_members(self) -> list[str]:
+        """The peer ids the coordinator lists on this node's stage, this node's included:
+        the only peers its outer loop forms groups with."""
+        return sorted({p.peer_id for p in self._on_stage(self.stage)} | {self.me})
+
     def other_replicas_have_dht(self) -> bool:
         """Another replica of this stage announces a DHT (so state can be fetched)."""
         return any(p.dht_addrs for p in self._on_stage(self.stage) if p.peer_id != self.me)

@@ -158,6 +158,7 @@ class Node:
                         announce_dht=self.client.announce_dht, events=self.events,
                         on_replaced=self._on_state_replaced, attested=self._attested,
                         waiting=lambda: self.pool.held > 0,
+                        identity=self.client.key.libp2p_private_key(),
                     )  # fmt: skip
                     await self.outer.start()
                     nursery.start_soon(self.outer.run)

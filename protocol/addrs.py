@@ -134,6 +134,18 @@ def multiaddr_problem(addr: object) -> str | None:
     return None
 
 
+def owner_problem(addrs: list[str], peer_id: str) -> str | None:
+    """Why `addrs` (checked multiaddrs) are not all `peer_id`'s own: each must end in
+    `/p2p/<peer_id>` (after a relay's `/p2p/<relay>/p2p-circuit`, too). A node's outer
+    loop runs under the node's key, so the DHT addresses it announces name the member;
+    a member cannot announce another peer's DHT as its own."""
+    for addr in addrs:
+        parts = addr.split("/")
+        if len(parts) < 3 or parts[-2] not in ("p2p", "ipfs") or parts[-1] != peer_id:
+            return f"{addr[:96]!r} does not end in /p2p/ of this peer ({peer_id[:64]})"
+    return None
+
+
 def announce_problem(addr: object) -> str | None:
     """Why `addr` cannot be announced in place of a listen address (a port a router
     forwards, a proxy in front of the node), or None: `/ip4|ip6|dns|dns4|dns6/HOST/tcp/PORT`

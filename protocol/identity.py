@@ -1,7 +1,8 @@
 """Node identity: ed25519 keys and the libp2p peer id they imply.
 
-One key serves everywhere: it signs control-plane requests and it is the libp2p identity
-on the data plane. The peer id is computed here, the way libp2p does it (an identity
+One key serves everywhere: it signs control-plane requests, it is the libp2p identity
+on the data plane, and the outer-loop process's hivemind daemon runs under it (its
+`libp2p_private_key`), so a member has one peer id on every plane. The peer id is computed here, the way libp2p does it (an identity
 multihash of the protobuf-encoded public key, in base58btc), so the coordinator can bind
 a join to a data-plane peer id without importing libp2p.
 """
@@ -19,6 +20,9 @@ from protocol.errors import ProtocolError
 PUBLIC_KEY_SIZE = 32  # bytes
 SIGNATURE_SIZE = 64  # bytes of an ed25519 signature
 PRIVATE_KEY_SIZE = 32  # bytes (the ed25519 seed)
+# PrivateKey{Type: Ed25519 (1), Data: 64 bytes}: the fixed head of an encoded private key
+LIBP2P_ED25519_PRIVATE = b"\x08\x01\x12\x40"
+LIBP2P_PRIVATE_KEY_SIZE = len(LIBP2P_ED25519_PRIVATE) + 64  # bytes
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 
@@ -38,6 +42,18 @@ def peer_id_from_public_key(public_key: bytes) -> str:
         raise ProtocolError(f"ed25519 public key must be 32 bytes, got {len(public_key)}")
     proto = b"\x08\x01\x12\x20" + public_key  # PublicKey{Type: Ed25519, Data: key}
     return b58encode(b"\x00" + bytes([len(proto)]) + proto)
+
+
+def is_libp2p_private_key(data: bytes) -> bool:
+    """Whether `data` is an ed25519 key as `NodeKey.libp2p_private_key` encodes one."""
+    return len(data) == LIBP2P_PRIVATE_KEY_SIZE and data.startswith(LIBP2P_ED25519_PRIVATE)
+
+
+def libp2p_peer_id(private_key: bytes) -> str:
+    """The peer id of a key encoded by `NodeKey.libp2p_private_key`."""
+    if not is_libp2p_private_key(private_key):
+        raise ProtocolError("not an ed25519 libp2p private key")
+    return peer_id_from_public_key(private_key[-PUBLIC_KEY_SIZE:])
 
 
 class NodeKey:
@@ -70,6 +86,12 @@ class NodeKey:
 
     def sign(self, data: bytes) -> bytes:
         return self._sk.sign(data)
+
+    def libp2p_private_key(self) -> bytes:
+        """The key as a libp2p `PrivateKey` protobuf (type Ed25519, data: seed then public
+        key), the file format go-libp2p's daemon reads with `-id`: the outer-loop process
+        runs hivemind under it, so its DHT peer id is this key's `peer_id`."""
+        return LIBP2P_ED25519_PRIVATE + self.seed + self.public_key
 
     def __repr__(self) -> str:  # never print the secret
         return f"NodeKey(peer_id={self.peer_id})"

@@ -22,10 +22,11 @@ from protocol.addrs import (
     is_wildcard,
     multiaddr_problem,
     observed,
+    owner_problem,
 )
 from protocol.control import HeartbeatRequest, JoinRequest
 from protocol.errors import ProtocolError
-from protocol.identity import NodeKey
+from protocol.identity import NodeKey, is_libp2p_private_key, libp2p_peer_id
 
 PEER = NodeKey.generate().peer_id
 GOOD = [
@@ -88,6 +89,36 @@ def test_whatever_passes_parses_in_py_multiaddr(parts: list[str]) -> None:
 @given(st.one_of(st.text(max_size=600), st.binary(max_size=64), st.integers(), st.none()))
 def test_any_input_gives_a_verdict_never_an_exception(value: object) -> None:
     assert multiaddr_problem(value) is None or isinstance(multiaddr_problem(value), str)
+
+
+def test_dht_addresses_must_name_their_member() -> None:
+    """A member's outer loop runs under its key: every DHT address it announces ends in
+    its own peer id, relayed ones included; another peer's, or none, is refused."""
+    other = NodeKey.generate().peer_id
+    relayed = f"/ip4/203.0.113.7/tcp/4001/p2p/{other}/p2p-circuit/p2p/{PEER}"
+    assert owner_problem([f"/ip4/10.0.0.1/tcp/1/p2p/{PEER}", relayed], PEER) is None
+    assert owner_problem([], PEER) is None
+    for bad in (f"/ip4/10.0.0.1/tcp/1/p2p/{other}", "/ip4/10.0.0.1/tcp/1",
+                f"/ip4/203.0.113.7/tcp/4001/p2p/{PEER}/p2p-circuit/p2p/{other}"):  # fmt: skip
+        assert multiaddr_problem(bad) is None
+        assert "does not end in /p2p/" in (owner_problem([bad], PEER) or ""), bad
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=80), max_size=4))
+def test_owner_problem_gives_a_verdict_never_an_exception(addrs: list[str]) -> None:
+    assert owner_problem(addrs, PEER) is None or isinstance(owner_problem(addrs, PEER), str)
+
+
+def test_the_libp2p_key_of_a_node_names_its_peer_id() -> None:
+    key = NodeKey.generate()
+    raw = key.libp2p_private_key()
+    assert is_libp2p_private_key(raw) and libp2p_peer_id(raw) == key.peer_id
+    assert raw[4:36] == key.seed  # the daemon's Ed25519 key: seed, then public key
+    for bad in (raw[:-1], b"\x08\x02" + raw[2:], b""):
+        assert not is_libp2p_private_key(bad)
+        with pytest.raises(ProtocolError):
+            libp2p_peer_id(bad)
 
 
 @pytest.mark.parametrize(

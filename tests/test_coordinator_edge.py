@@ -285,13 +285,17 @@ def test_a_request_captured_before_a_restart_is_refused_after_it(tmp_path: Path)
         coord.stop()
 
 
-def _maximal_addrs(tag: str) -> list[str]:
-    """MAX_ADDRS distinct addresses of exactly MAX_CHARS characters."""
+def _maximal_addrs(tag: str, peer_id: str = "") -> list[str]:
+    """MAX_ADDRS distinct addresses of exactly MAX_CHARS characters (ending in
+    /p2p/`peer_id` when given, as DHT addresses must)."""
     out = []
+    tail = f"/p2p/{peer_id}" if peer_id else ""
+    size = MAX_CHARS - len("/dns4//tcp/4001") - len(tail)  # characters of the host name
     for j in range(MAX_ADDRS):
-        head = f"{tag}x{j}"
-        name = ".".join(["a" * 63] * 3) + "." + head + "b" * (49 - len(head))
-        out.append(f"/dns4/{name}/tcp/4001")
+        head = f"{tag}x{j}."
+        full, last = divmod(size - len(head) - 1, 64)  # labels of 63 and a dot, then one
+        name = head + ("a" * 63 + ".") * full + "b" * (last + 1)
+        out.append(f"/dns4/{name}/tcp/4001{tail}")
     assert all(len(a) == MAX_CHARS and multiaddr_problem(a) is None for a in out)
     return out
 
@@ -310,7 +314,8 @@ def test_a_large_view_of_maximal_entries_comes_in_pages_that_fit_a_frame(tmp_pat
         for key in batch:
             async with CoordinatorClient("127.0.0.1", coord.port, key, config=FAST) as cl:
                 addrs = _maximal_addrs(key.peer_id[-6:])
-                await cl.join(c.JoinRequest(addrs=addrs, dht_addrs=addrs, device="d" * 64))
+                dht = _maximal_addrs(key.peer_id[-6:], key.peer_id)
+                await cl.join(c.JoinRequest(addrs=addrs, dht_addrs=dht, device="d" * 64))
 
     async def go() -> None:
         await join(keys[:200])

@@ -129,7 +129,7 @@ def test_heartbeats_that_announce_or_fence_wait_for_the_write(
     key = KEYS[0]
     rig.call(key, c.JoinRequest(throughput=100.0))
     writes = rig.store.writes
-    announce = c.HeartbeatRequest(dht_addrs=["/ip4/10.0.0.1/tcp/4001"])
+    announce = c.HeartbeatRequest(dht_addrs=[f"/ip4/10.0.0.1/tcp/4001/p2p/{key.peer_id}"])
     assert rig.call(key, announce).durable and rig.store.writes == writes + 1  # versioned
     again = rig.call(key, announce)  # the same addresses: nothing changed, yet it waits
     assert again.durable and rig.store.writes == writes + 1
@@ -139,4 +139,25 @@ def test_heartbeats_that_announce_or_fence_wait_for_the_write(
     assert fenced.durable  # a node drops work on it: never shown before what led to it
     stranger = rig.call(KEYS[1], c.HeartbeatRequest())  # never joined
     assert isinstance(stranger.reply, c.ErrorReply) and stranger.durable
+    rig.store.close()
+
+
+def test_a_member_cannot_announce_another_peers_dht(
+    data: tuple[CoordinatorConfig, Manifest, bytes], tmp_path: Path
+) -> None:
+    """DHT addresses name the member's own peer id (its outer loop runs under its key):
+    a join or heartbeat announcing another peer's DHT, or an address with no peer id, is
+    refused whole, and the view keeps what the member announced before."""
+    rig = Rig(tmp_path, data)
+    me, other = KEYS[0], KEYS[1]
+    theirs = f"/ip4/10.0.0.2/tcp/4001/p2p/{other.peer_id}"
+    refused = rig.call(me, c.JoinRequest(throughput=1.0, dht_addrs=[theirs])).reply
+    assert isinstance(refused, c.ErrorReply) and refused.code == "bad_request", refused
+    assert me.peer_id not in rig.svc.membership.live
+    mine = f"/ip4/10.0.0.1/tcp/4001/p2p/{me.peer_id}"
+    assert isinstance(rig.call(me, c.JoinRequest(dht_addrs=[mine])).reply, c.JoinReply)
+    for bad in ([theirs], [mine, "/ip4/10.0.0.1/tcp/4002"]):
+        reply = rig.call(me, c.HeartbeatRequest(dht_addrs=bad)).reply
+        assert isinstance(reply, c.ErrorReply) and "does not end in /p2p/" in reply.detail
+    assert rig.svc.membership.live[me.peer_id].dht_addrs == (mine,)
     rig.store.close()

@@ -23,6 +23,7 @@ from node.outer_link import OuterLink, OuterLinkError, _create_private
 from protocol.codec import packb
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame
+from protocol.identity import NodeKey
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,6 +40,7 @@ CONFIG = c.OuterConfig(
     state_timeout_s=10.0,
     diloco=c.DilocoConfig(eta=0.5, mu=0.5, target_tokens=400, clip_radius=0.1, clip_iters=5),
 )
+KEY = NodeKey.generate()
 COMMANDS: list[c.Command] = [
     c.Init(
         run_id="r1",
@@ -59,6 +61,19 @@ COMMANDS: list[c.Command] = [
     c.Begin(tokens=0, target_tokens=400),
     c.Stop(),
     c.Peek(),
+    c.Init(
+        run_id="r2",
+        stage=0,
+        numel=8,
+        initial_peers=[],
+        snap="/dev/shm/b-snap",
+        result="/dev/shm/b-result",
+        momentum="/dev/shm/b-m",
+        config=CONFIG,
+        identity=KEY.libp2p_private_key(),
+    ),
+    c.Begin(tokens=3, members=[KEY.peer_id, "QmOther"]),
+    c.Begin(tokens=3, members=[]),
 ]
 REPLIES: list[c.Reply] = [
     c.Ready(addrs=["/ip4/127.0.0.1/tcp/5/p2p/Qm"], peer_id="QmPeer"),
@@ -154,6 +169,12 @@ def _with(msg: Any, **changes: Any) -> dict[str, Any]:
         (c.Init, _with(COMMANDS[0], config={"diloco": {"eta": float("nan")}})),
         (c.Init, _with(COMMANDS[0], config={"bogus": 1})),
         (c.Init, _with(COMMANDS[0], config=[])),
+        (c.Init, _with(COMMANDS[0], identity="key")),
+        (c.Init, _with(COMMANDS[0], identity=b"\x08\x01\x12\x40" + b"k" * 63)),
+        (c.Init, _with(COMMANDS[0], identity=b"\x08\x00\x12\x40" + b"k" * 64)),
+        (c.Begin, _with(COMMANDS[4], members=[KEY.peer_id] * (c.MAX_PEERS + 1))),
+        (c.Begin, _with(COMMANDS[4], members=[""])),
+        (c.Begin, _with(COMMANDS[4], members=None)),
         (c.SetState, _with(COMMANDS[1], round=-1)),
         (c.SetState, _with(COMMANDS[1], momentum=1)),
         (c.Fetch, _with(COMMANDS[3], timeout_s=0)),

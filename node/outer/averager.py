@@ -32,13 +32,13 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionBase, CompressionInfo
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
@@ -91,7 +91,38 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         self._exchanges: dict[bytes, _Exchange] = {}
         self._registered: asyncio.Event | None = None
         self._announce = list(announce)[:MAX_ADDRS]  # where our DHT listens (no /p2p/)
+        # the stage's replicas as the coordinator lists them (base58 peer ids; the
+        # averager process's copy, set by `set_members`): no other peer joins a group of
+        # ours or serves us state; None admits anyone
+        self._members: frozenset[str] | None = None
         super().__init__([contribution], dht, prefix=prefix, start=False, **kwargs)
+
+    # ---- who may take part ---------------------------------------------------------------
+
+    def set_members(self, members: Sequence[str] | None) -> None:
+        """Admit only these peers (base58 ids) to our groups and as state sources, from
+        the next step on; None admits anyone. Runs in the host process: the averager
+        process handles it before any step sent after it."""
+        listed = None if members is None else list(members)
+        self._outer_pipe.send(("_set_members", [], {"members": listed}))
+
+    async def _set_members(self, members: list[str] | None) -> None:
+        self._members = None if members is None else frozenset(members)
+
+    def _admits(self, peer: PeerID) -> bool:
+        return self._members is None or peer.to_base58() in self._members
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's matchmaking, for members of the stage only: a peer the coordinator
+        does not list on it is refused before it can join a group we lead."""
+        if not self._admits(context.remote_id):
+            log.warning("refused %s: not a member of this stage", context.remote_id)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
 
     # ---- state for joiners (runs in the host process) ----------------------------------
 
@@ -141,6 +172,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
             if sources is not None:
                 allowed = set(sources)
                 priority = {p: v for p, v in priority.items() if p.to_base58() in allowed}
+            priority = {p: v for p, v in priority.items() if self._admits(p)}
             if want is not None:  # who declares the wanted round first
                 priority = {p: (float(v[0] == want[0]), *v) for p, v in priority.items()}
             addrs = self._announced_addrs()
@@ -229,6 +261,9 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
     async def _aggregate_with_group(
         self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
     ) -> dict[str, Any]:
+        strangers = [p.to_base58() for p in group_info.peer_ids if not self._admits(p)]
+        if strangers:  # a group led by a stranger (or one our view does not list yet)
+            raise ValueError(f"the group holds peers not listed on this stage: {strangers[:4]}")
         gathered: dict[PeerID, dict[str, Any]] = {}
         for pid, raw in zip(group_info.peer_ids, group_info.gathered, strict=True):
             try:

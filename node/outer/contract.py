@@ -55,6 +55,7 @@ from node.outer.settings import COMPRESSIONS, MAX_COUNT, DilocoConfig, OuterConf
 from protocol.codec import packb
 from protocol.errors import ProtocolError
 from protocol.framing import frame
+from protocol.identity import is_libp2p_private_key
 from protocol.lineage import Link, to_plain
 
 __all__ = [
@@ -100,9 +101,12 @@ class Init:
     result: str  # shared-memory file: theta_g, written by the outer process (absolute path)
     momentum: str  # shared-memory file: the outer momentum m (absolute path)
     config: OuterConfig  # settings of the outer-loop process and its optimizer
+    # the node's key as a libp2p private-key protobuf (`NodeKey.libp2p_private_key`): the
+    # hivemind daemon runs under it, so the DHT peer id is the member's; b"": a fresh key
+    identity: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        out = {
             "op": self.OP,
             "run_id": self.run_id,
             "stage": self.stage,
@@ -113,10 +117,16 @@ class Init:
             "momentum": self.momentum,
             "config": self.config.to_wire(),
         }
+        if self.identity:
+            out["identity"] = self.identity
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj)
+        d = fields_of(cls, obj, optional=("identity",))
+        identity = d.get("identity", b"")
+        if type(identity) is not bytes or (identity and not is_libp2p_private_key(identity)):
+            raise ProtocolError("init: identity must be an ed25519 libp2p private key")
         paths = [path_of(d, k, cls) for k in ("snap", "result", "momentum")]
         if len(set(paths)) != 3:
             raise ProtocolError("init: the three shared-memory paths must differ")
@@ -129,6 +139,7 @@ class Init:
             result=paths[1],
             momentum=paths[2],
             config=OuterConfig.from_wire(d["config"]),
+            identity=identity,
         )
 
 
@@ -186,21 +197,30 @@ class Begin:
     target_tokens: int | None = None  # replaces DilocoConfig.target_tokens from now (tokens)
     # the stage's attested state: rebase onto it first when it is newer than ours
     attested: Link | None = None
+    # the peer ids the coordinator lists on this stage (this replica's among them): the
+    # round forms a group with, and adopts state from, these only; None: anyone
+    members: list[str] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": self.OP, "tokens": self.tokens}
         if self.target_tokens is not None:
             out["target_tokens"] = self.target_tokens
+        if self.members is not None:
+            out["members"] = list(self.members)
         return with_link(out, "attested", self.attested)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj, optional=("target_tokens", "attested"))
+        d = fields_of(cls, obj, optional=("target_tokens", "attested", "members"))
         target = None
         if "target_tokens" in d:
             target = int_of(d, "target_tokens", cls, lo=0, hi=MAX_COUNT)
         tokens = int_of(d, "tokens", cls, lo=0, hi=MAX_COUNT)
-        return cls(tokens=tokens, target_tokens=target, attested=link_of(d, "attested", cls))
+        members = strs_of(d, "members", cls) if "members" in d else None
+        return cls(
+            tokens=tokens, target_tokens=target, attested=link_of(d, "attested", cls),
+            members=members,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,10 +19,14 @@ each decodes the same compressed bytes in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,21 @@ REBASE_TIMEOUT_S = 10.0
 
 def digest(state: OuterState) -> str:
     return state_digest(state.round, state.theta_g, state.m)
+
+
+@contextlib.contextmanager
+def identity_file(identity: bytes) -> Iterator[str | None]:
+    """The node's key in a file only this user can read, for the p2p daemon's `-id`
+    (which reads it at start), removed afterwards; None (a fresh key) for b""."""
+    if not identity:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="agora-outer-id-") as tmp:  # mode 0700
+        path = Path(tmp) / "key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity)
+        yield str(path)
 
 
 def source_lineage(meta: dict[str, Any]) -> list[Link]:
@@ -133,13 +152,18 @@ class OuterProcess:
             for path in (init.snap, init.result, init.momentum)
         )
         self.prefix = f"agora-{init.run_id}-stage{init.stage}"
-        self.dht = DHT(
-            initial_peers=list(init.initial_peers),
-            host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
-            announce_maddrs=list(self.cfg.announce) or None,
-            start=True,
-            await_ready=True,
-        )
+        with identity_file(init.identity) as identity_path:
+            self.dht = DHT(
+                initial_peers=list(init.initial_peers),
+                host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
+                announce_maddrs=list(self.cfg.announce) or None,
+                identity_path=identity_path,
+                # hivemind would start a second daemon to ask the DHT whether the key is
+                # in use; the node's key is its own
+                check_if_identity_free=False,
+                start=True,
+                await_ready=True,
+            )
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         self.listen_addrs = [a.split("/p2p/")[0] for a in addrs][:MAX_ADDRS]
         self.contribution = torch.zeros(init.numel, dtype=torch.float32)
@@ -197,7 +221,7 @@ class OuterProcess:
         if isinstance(cmd, Begin):
             if cmd.target_tokens is not None:  # the participation rule's target (tokens)
                 self.cfg.diloco.target_tokens = cmd.target_tokens
-            return self.run_round(cmd.tokens, cmd.attested)
+            return self.run_round(cmd.tokens, cmd.attested, cmd.members)
         if isinstance(cmd, Peek):
             return Peeked(waiting=self.peers_looking_for_group())
         raise ProtocolError(f"unexpected command {cmd!r:.200}")
@@ -284,10 +308,13 @@ class OuterProcess:
 
     # ---- a round ---------------------------------------------------------------------
 
-    def run_round(self, tokens: int, attested: Link | None = None) -> RoundResult | RoundFailed:
+    def run_round(
+        self, tokens: int, attested: Link | None = None, members: list[str] | None = None
+    ) -> RoundResult | RoundFailed:
         t0 = time.monotonic()
         if self.state is None:
             return RoundFailed(error="no state: call set_state or fetch_state first")
+        self.averager.set_members(members)
         base = self.state
         delta = base.theta_g - self.snap
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
