@@ -97,6 +97,10 @@ class CoordinatorConfig:
     # hold (fraction; one member per source is always allowed; loopback sources, i.e. a
     # swarm on one machine, are exempt); 1.0 = no cap. 0.5 suits open runs.
     max_source_share: float = 1.0
+    # a replica is banned when more than half of the other live replicas of its stage
+    # (at least two) each caught it in this many distinct outer rounds (coordinator/accuse.py)
+    accuse_strikes: int = 3  # rounds
+    accuse_window_s: float = 900.0  # seconds an accusation counts
     # security and limits
     auth: str = "open"  # open | token | allowlist
     join_token: str = dataclasses.field(default="", repr=False)  # for auth = "token"
@@ -206,6 +210,8 @@ class CoordinatorConfig:
         need(self.grant_tokens is None or self.grant_tokens >= 0, "grant_tokens must be >= 0")
         need(0 < self.rebalance_ratio <= 1, "rebalance_ratio must be in (0, 1]")
         need(0 < self.max_source_share <= 1, "max_source_share must be in (0, 1]")
+        need(self.accuse_strikes >= 1, "accuse_strikes must be >= 1")
+        need(self.accuse_window_s > 0, "accuse_window_s must be > 0")
         need(self.max_frame_bytes >= 4096, "max_frame_bytes must be >= 4096")
         need(
             4096 <= self.max_request_bytes <= self.max_frame_bytes,

@@ -52,13 +52,15 @@ class BodyCache:
 
 def soft(body: Message, reply: Message) -> bool:
     """Whether `reply` to `body` may go out before the pending writes are durable: a
-    heartbeat's that only renewed liveness (nothing announced, nothing moved or fenced).
+    heartbeat's that only renewed liveness (nothing announced or accused, nothing moved or
+    fenced).
     Such a reply may show others' changes still being written (a membership version, a
     drain, a pause); none of them grants anything, and each is re-sent in later replies."""
     return (
         type(reply) is c.HeartbeatReply
         and type(body) is c.HeartbeatRequest
         and body.dht_addrs is None
+        and not body.accused
         and not reply.moved
         and not reply.fenced
     )

@@ -29,6 +29,13 @@ class CoordinatorMetrics:
             ["reason"],
             registry=r,
         )
+        self.accusations = Counter(
+            "agora_coordinator_accusations_total",
+            "Accusations replicas sent, by outcome (recorded, ignored, banned: the accused "
+            "was banned by it)",
+            ["outcome"],
+            registry=r,
+        )
         self.moves = Counter(
             "agora_coordinator_rebalance_moves_total", "Peers moved between stages", registry=r
         )

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from coordinator.accuse import Accusations
 from coordinator.attest import Attestations, LiveOn
 from coordinator.config import CoordinatorConfig
 from coordinator.edge import RateLimiter
@@ -26,8 +27,9 @@ from coordinator.facilities import FacilityBook, PlacementPolicy
 from coordinator.fastpath import BodyCache, soft
 from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError
-from coordinator.membership import BANNED, DEAD, LEFT, Membership, Peer
+from coordinator.membership import DEAD, LEFT, Membership, Peer
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.moderation import Moderation
 from coordinator.placement import MemoryFit
 from coordinator.verify import PeerIds, signature_ok
 from protocol import control as c
@@ -62,7 +64,7 @@ def _err(code: str, detail: str) -> c.ErrorReply:
     return c.ErrorReply(code=code, detail=detail[:1024])
 
 
-class Service:
+class Service(Moderation):
     def __init__(
         self,
         cfg: CoordinatorConfig,
@@ -110,6 +112,8 @@ class Service:
         )
         self.memory_fit = MemoryFit(model, cfg.n_stages)
         self.attest = Attestations()  # replicas' reported states (coordinator/attest.py)
+        # what replicas caught each other at (coordinator/accuse.py, coordinator/moderation.py)
+        self.accusations = Accusations(strikes=cfg.accuse_strikes, window_s=cfg.accuse_window_s)
         self._handlers: dict[type[Message], Callable[..., Message]] = {
             c.HeartbeatRequest: self._heartbeat,
             c.MembershipRequest: self._membership,
@@ -331,6 +335,8 @@ class Service:
             self.attest.report(peer.peer_id, peer.stage, (req.state.round, req.state.digest))
         if req.dht_addrs is not None:
             self.membership.announce(peer.peer_id, req.dht_addrs)
+        if req.accused:
+            self.judge(peer, req.accused, now)
         held = self.book.renew(peer.peer_id, now)
         renewed = [c.LeaseRef(lease_id=x.lease_id, epoch=x.epoch) for x in held]
         live = {(x.lease_id, x.epoch) for x in held}
@@ -369,6 +375,7 @@ class Service:
         released = self.book.release_holder(peer.peer_id, now, expired=False)
         self.membership.remove(peer.peer_id, LEFT)
         self.attest.forget(peer.peer_id)
+        self.accusations.forget(peer.peer_id)
         self.metrics.leaves.labels("left").inc()
         log.info("leave %s (released %d leases)", peer.peer_id, len(released))
         return c.OkReply(detail=f"left; released {len(released)} leases")
@@ -379,6 +386,7 @@ class Service:
         n = 0
         for p in dead:
             self.attest.forget(p.peer_id)
+            self.accusations.forget(p.peer_id)
             n += len(self.book.release_holder(p.peer_id, now, expired=True))
             log.info("peer %s lapsed (no heartbeat for %.1fs)", p.peer_id, self.cfg.lease_ttl_s)
         n += len(self.book.expire_due(now))
@@ -482,33 +490,6 @@ class Service:
         return c.TokenizerData(sha256=self.manifest.tokenizer_hash, data=self.tokenizer_json)
 
     # -- admin --------------------------------------------------------------------------
-
-    def _drain(self, req: c.AdminDrain, now: float) -> Message:
-        peer = self.membership.live.get(req.peer_id)
-        if peer is None:
-            return _err("not_found", f"no live peer {req.peer_id[:128]}")
-        peer.drain = True
-        self.journal.peers[peer.peer_id] = peer
-        log.info("admin: drain %s", peer.peer_id)
-        return c.OkReply(detail="draining")
-
-    def _ban(self, req: c.AdminBan, now: float) -> Message:
-        self.book.release_holder(req.peer_id, now, expired=True)
-        peer = self.membership.remove(req.peer_id, BANNED)
-        self.attest.forget(req.peer_id)
-        if peer is None:  # not live: record the ban anyway
-            peer = Peer(req.peer_id, b"", 0, (), (), "", 0.0, None, None, None, False, now, now)
-            peer.state = BANNED
-            self.journal.peers[req.peer_id] = peer
-        self.metrics.leaves.labels(BANNED).inc()
-        log.info("admin: ban %s", req.peer_id)
-        return c.OkReply(detail="banned")
-
-    def _pause(self, req: c.AdminPause, now: float) -> Message:
-        self.paused = req.paused
-        self.journal.meta["paused"] = "1" if req.paused else "0"
-        log.info("admin: %s", "pause" if req.paused else "resume")
-        return c.OkReply(detail="paused" if req.paused else "resumed")
 
     # -- status -------------------------------------------------------------------------
 

@@ -136,6 +136,7 @@ class CoordinatorClient:
         self.state: c.StateRef | None = None  # the global state this replica holds
         self.attested: c.StateRef | None = None  # its stage's, as the last reply said
         self._report_now = trio.Event()  # set by a new state: heartbeat at once
+        self._accused: list[c.Accusation] = []  # for the next heartbeat (at most MAX_ACCUSED)
 
     @classmethod
     def to(
@@ -269,14 +270,19 @@ class CoordinatorClient:
     async def heartbeat(
         self, leases: list[c.LeaseRef] | None = None, throughput: float | None = None
     ) -> c.HeartbeatReply:
-        announce = self._announce
+        announce, accused = self._announce, list(self._accused)
         reply = await self._typed(
             c.HeartbeatRequest(
-                leases=leases or [], throughput=throughput, dht_addrs=announce, state=self.state
-            ),
+                leases=leases or [],
+                throughput=throughput,
+                dht_addrs=announce,
+                state=self.state,
+                accused=accused,
+            ),  # fmt: skip
             c.HeartbeatReply,
         )
         assert isinstance(reply, c.HeartbeatReply)
+        del self._accused[: len(accused)]  # those added meanwhile go in the next one
         self.attested = reply.attested
         if announce is self._announce:
             self._announce = None
@@ -297,6 +303,17 @@ class CoordinatorClient:
         state = c.StateRef(round=round_, digest=digest)
         if state != self.state:
             self.state = state
+            self._report_now.set()
+
+    def accuse(self, peer_id: str, round_: int, reason: str) -> None:
+        """Report a groupmate this replica caught in its outer round `round_`, in a
+        heartbeat sent at once (coordinator.accuse decides). Past `MAX_ACCUSED` waiting,
+        or for an id no peer has, nothing is added."""
+        if not 0 < len(peer_id) <= c.PEER_ID_LEN or len(self._accused) >= c.MAX_ACCUSED:
+            return
+        a = c.Accusation(peer=peer_id, round=max(0, round_), reason=reason[: c.MAX_ACCUSATION_TEXT])
+        if all((x.peer, x.round) != (a.peer, a.round) for x in self._accused):
+            self._accused.append(a)
             self._report_now.set()
 
     def announce_dht(self, addrs: list[str]) -> None:

@@ -53,6 +53,9 @@ class Aggregate:
     tokens: int  # tokens of the accepted contributions
     weights: list[float]  # effective weight per contribution (0 when rejected)
     rejected: dict[int, str] = field(default_factory=dict)  # index -> reason
+    # the rejected ones no honest replica sends (non-finite, or a norm past the bounds),
+    # as opposed to stale or zero-token ones: what a member reports to the coordinator
+    suspect: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -213,10 +216,13 @@ def _aggregate(
     contribs: Sequence[Contribution], ref_norm: float, clip_radius: float, cfg: DilocoConfig
 ) -> Aggregate:
     rejected: dict[int, str] = {}
+    suspect: set[int] = set()
     weights: list[float] = []
     norms: dict[int, float] = {}
     for i, c in enumerate(contribs):
         reason = rejection_reason(c.delta, ref_norm, cfg)
+        if reason is not None:
+            suspect.add(i)
         sw = staleness_weight(c.staleness, cfg.staleness_decay, cfg.max_staleness)
         if reason is None and c.tokens <= 0:
             reason = "no tokens"
@@ -233,11 +239,12 @@ def _aggregate(
         for i, n in norms.items():
             if n > cfg.max_median_ratio * max(median, 1e-12):
                 rejected[i] = f"norm {n:.3g} above {cfg.max_median_ratio} x median {median:.3g}"
+                suspect.add(i)
                 weights[i] = 0.0
     total = float(sum(weights))
     tokens = sum(c.tokens for i, c in enumerate(contribs) if weights[i] > 0.0)
     if total <= 0.0:
-        return Aggregate(delta=None, tokens=0, weights=weights, rejected=rejected)
+        return Aggregate(delta=None, tokens=0, weights=weights, rejected=rejected, suspect=suspect)
     deltas = [c.delta for c in contribs]
     usable = sorted(n for i, n in norms.items() if weights[i] > 0.0)
     tau = clip_radius
@@ -247,7 +254,7 @@ def _aggregate(
         d = centered_clip(deltas, weights, tau, cfg.clip_iters)
     else:
         d = _weighted_mean(deltas, weights, total)
-    return Aggregate(delta=d, tokens=tokens, weights=weights, rejected=rejected)
+    return Aggregate(delta=d, tokens=tokens, weights=weights, rejected=rejected, suspect=suspect)
 
 
 def nesterov_step(state: OuterState, d: torch.Tensor, eta_r: float, mu: float) -> None:

@@ -14,6 +14,9 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
   (this replica's pseudo-gradient is in the new state with weight > 0), `joined_early`
   (the round began before `every_steps` to join a replica that was forming a group)
 - `round_not_applied`: `round`, `group_size`, `seconds` (the state did not change)
+- `accused`: `peer`, `round`, `reason`: this replica caught a groupmate in its outer round
+  (a contribution no honest replica sends, or a reducer that lied) and reports it to the
+  coordinator
 - `ranges_returned`: `lease_id`, `shard_id`, `start`, `end` (trained tokens that did not
   reach the stage's global state: the commit rule hands them back to be trained again)
 - `dht_move`: `reason`, `root` (peer id, "" when this node is the root), `rounds` (rounds
@@ -43,6 +46,7 @@ EVENT_NAMES = frozenset(
         "lease_committed",
         "round_applied",
         "round_not_applied",
+        "accused",
         "ranges_returned",
         "dht_move",
         "draining",

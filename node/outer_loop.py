@@ -82,9 +82,12 @@ class OuterLoop:
         # contributions wait for the stage to agree on their state (the lease pool's)
         waiting: Callable[[], bool] | None = None,
         identity: bytes = b"",  # the node's key (NodeKey.libp2p_private_key)
+        # report a groupmate caught in a round (peer id, round, what) to the coordinator
+        accuse: Callable[[str, int, str], None] | None = None,
     ) -> None:
         self.worker = worker
         self.identity = identity
+        self.accuse = accuse
         self.waiting = waiting
         self.attested = attested or (lambda: None)
         self.compute = compute
@@ -121,6 +124,7 @@ class OuterLoop:
         attested: Callable[[], Attested] | None = None,
         waiting: Callable[[], bool] | None = None,
         identity: bytes = b"",
+        accuse: Callable[[str, int, str], None] | None = None,
     ) -> OuterLoop:
         """The outer loop with a node's settings."""
         return cls(
@@ -128,7 +132,7 @@ class OuterLoop:
             every_steps=cfg.outer_every_steps, tokens_per_step=cfg.inner_batch_tokens,
             snapshot=snapshot, on_state=on_state, announce_dht=announce_dht,
             checkpoint_dir=cfg.checkpoint_dir, events=events, on_replaced=on_replaced,
-            attested=attested, waiting=waiting, identity=identity,
+            attested=attested, waiting=waiting, identity=identity, accuse=accuse,
         )  # fmt: skip
 
     def round_target(self) -> int:
@@ -195,6 +199,7 @@ class OuterLoop:
             waiting=self.waiting,
             identity=self.identity,
             members=self.peers.stage_members,
+            accuse=self.accuse,
         )
 
     async def _round_done(self, state: GlobalState, facts: RoundFacts) -> None:

@@ -65,8 +65,11 @@ class OuterRounds:
         # the stage's replicas as the coordinator lists them (peer ids): groups admit no
         # other peer (None: anyone)
         members: Callable[[], list[str]] | None = None,
+        # report a groupmate caught in a round: (peer id, round, what), to the coordinator
+        accuse: Callable[[str, int, str], None] | None = None,
     ) -> None:
         self.worker = worker
+        self._accuse = accuse
         self._members_fn: Callable[[], list[str] | None] = members or (lambda: None)
         self._waiting_fn = waiting or (lambda: False)
         # the stage's attested (round, digest) now, as the coordinator last said: a state
@@ -120,6 +123,7 @@ class OuterRounds:
         waiting: Callable[[], bool] | None = None,
         identity: bytes = b"",
         members: Callable[[], list[str]] | None = None,
+        accuse: Callable[[str, int, str], None] | None = None,
     ) -> OuterRounds:
         """Start the outer process (under the node's key `identity`, so its DHT peer id is
         the node's) and the rounds that drive it."""
@@ -141,7 +145,7 @@ class OuterRounds:
         return cls(
             worker, compute, link, every_steps=every_steps, snapshot=snapshot,
             on_round=on_round, sole_replica=sole_replica, target_tokens=target_tokens,
-            events=events, attested=attested, waiting=waiting, members=members,
+            events=events, attested=attested, waiting=waiting, members=members, accuse=accuse,
         )  # fmt: skip
 
     async def load_state(
@@ -342,6 +346,11 @@ class OuterRounds:
                 "round_not_applied", round=result.round, group_size=result.group_size,
                 seconds=result.seconds,
             )  # fmt: skip
+        for peer, why in result.accused.items():
+            log.warning("outer: caught %s in round %d: %s", peer, result.round, why)
+            self.events.emit("accused", peer=peer, round=result.round, reason=why)
+            if self._accuse is not None:
+                self._accuse(peer, result.round, why)
         facts = RoundFacts(
             mark=mark,
             applied=result.applied,

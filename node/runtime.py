@@ -159,6 +159,7 @@ class Node:
                         on_replaced=self._on_state_replaced, attested=self._attested,
                         waiting=lambda: self.pool.held > 0,
                         identity=self.client.key.libp2p_private_key(),
+                        accuse=self.client.accuse,
                     )  # fmt: skip
                     await self.outer.start()
                     nursery.start_soon(self.outer.run)

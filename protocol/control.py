@@ -213,6 +213,22 @@ class StateRef(Message):
     digest: str = bounded(min_len=1, max_len=MAX_DIGEST_CHARS, each=digest_problem)
 
 
+MAX_ACCUSED = 16  # accusations in one heartbeat
+MAX_ACCUSATION_TEXT = 200  # characters of an accusation's reason
+
+
+@record
+class Accusation(Message):
+    """A groupmate this replica caught itself in an outer round: a contribution its own
+    reduction rejected as no honest replica sends it (non-finite, past the norm bounds),
+    or a reducer whose part contradicts what it acknowledged. The coordinator drops a
+    replica that most of its stage keeps accusing (coordinator.accuse)."""
+
+    peer: str = bounded(min_len=1, max_len=PEER_ID_LEN)  # the accused member
+    round: int = bounded(ge=0)  # the outer round of the accuser's state when it caught it
+    reason: str = bounded(max_len=MAX_ACCUSATION_TEXT, default="")  # for people
+
+
 @record
 class StageStatus(Message):
     stage: int = bounded(ge=0)
@@ -287,6 +303,8 @@ class HeartbeatRequest(Message):
     dht_addrs: list[str] | None = bounded(max_len=MAX_ADDRS, each=multiaddr_problem, default=None)
     # the global state this replica holds now (None: none yet, or no outer loop)
     state: StateRef | None = None
+    # groupmates caught since the last heartbeat the coordinator answered
+    accused: list[Accusation] = bounded(max_len=MAX_ACCUSED, default_factory=list)
 
 
 @message("heartbeat.reply", version=1)

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node.outer import contract as c
+from node.outer.contract_fields import MAX_TEXT
 from node.outer_link import OuterLink, OuterLinkError, _create_private
 from protocol.codec import packb
 from protocol.errors import ProtocolError
@@ -96,6 +97,7 @@ REPLIES: list[c.Reply] = [
         digest="0123456789abcdef",
         lineage=[(0, "00"), (1, "0123456789abcdef")],
         agreed=(0, "00"),
+        accused={"QmOther": "part 1: non-finite values"},
     ),
     c.RoundFailed(error="no state: call set_state or fetch_state first"),
     c.Fatal(error="RuntimeError: boom"),
@@ -200,6 +202,9 @@ def _with(msg: Any, **changes: Any) -> dict[str, Any]:
         (c.RoundResult, _with(REPLIES[4], agreed=[[1, "ab"], [2, "cd"]])),
         (c.RoundResult, _with(REPLIES[4], agreed=[[1, "AB"]])),
         (c.RoundResult, _with(REPLIES[4], agreed=None)),
+        (c.RoundResult, _with(REPLIES[4], accused={"a": None})),
+        (c.RoundResult, _with(REPLIES[4], accused={"a": "x" * (MAX_TEXT + 1)})),
+        (c.RoundResult, _with(REPLIES[4], accused=[["a", "b"]])),
         (c.Fatal, _with(REPLIES[6], error=b"bytes")),
     ],
 )

@@ -128,6 +128,7 @@ def test_a_member_frozen_mid_round_leaves_the_survivors_identical(
     assert ra.group_size == rb.group_size == 2, (ra, rb)  # A's and B's contributions
     assert ra.digest == rb.digest and torch.equal(a.theta_g(), b.theta_g())
     assert ra.rejected == rb.rejected
+    assert ra.accused == rb.accused == {}  # a member that dies is no liar
     lost = [v for k, v in ra.rejected.items() if "did not arrive" in v]
     assert len(lost) == 1, ra.rejected
     j = int(re.match(r"part (\d+)", lost[0]).group(1))  # type: ignore[union-attr]
@@ -150,6 +151,7 @@ def test_a_reducer_that_leaves_out_acknowledged_contributions_is_caught(
     name = c.peer_id
     for r in (ra, rb):
         assert "left out a contribution it acknowledged" in r.rejected.get(name, ""), r.rejected
+        assert "left out a contribution it acknowledged" in r.accused.get(name, ""), r.accused
 
 
 @pytest.mark.parametrize("attack", ["scaled_delta", "nan_delta", "inflated_claims"])
@@ -169,8 +171,11 @@ def test_a_member_with_a_hostile_contribution_is_rejected_or_bounded(
     assert ra.digest == rb.digest and torch.equal(a.theta_g(), b.theta_g())
     if attack == "inflated_claims":
         assert ra.rejected == rb.rejected == {}, (ra.rejected, rb.rejected)
+        assert ra.accused == rb.accused == {}, (ra.accused, rb.accused)
         assert ra.tokens == rb.tokens == 100 + 200 + 4 * 200, (ra, rb)
         return
     assert ra.contributed and rb.contributed, (ra, rb)
     assert c.peer_id in ra.rejected and c.peer_id in rb.rejected, ra.rejected
     assert not any(p in ra.rejected for p in (a.peer_id, b.peer_id)), ra.rejected
+    # each reduced C's contribution to its own part and caught it first-hand
+    assert list(ra.accused) == list(rb.accused) == [c.peer_id], (ra.accused, rb.accused)

@@ -364,24 +364,25 @@ class RoundResult:
     # a group round's canonical state when at least two members held it as the round
     # began (None: stepped alone, or no state of the group was held twice)
     agreed: Link | None = None
+    # groupmates this replica caught itself (peer id -> what): a contribution its own
+    # reduction rejected as no honest replica sends it, or a reducer that lied about its
+    # part; the node reports them to the coordinator
+    accused: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         out = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "agreed"
         }
         out["rejected"] = dict(self.rejected)
+        out["accused"] = dict(self.accused)
         out["lineage"] = to_plain(self.lineage)
         return with_link({"op": self.OP, **out}, "agreed", self.agreed)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj, optional=("agreed",))
-        rejected = d["rejected"]
-        if type(rejected) is not dict or len(rejected) > MAX_PEERS:
-            raise ProtocolError(f"result: 'rejected' must be a map of at most {MAX_PEERS} entries")
-        for k, v in rejected.items():
-            if type(k) is not str or type(v) is not str or len(k) > MAX_ADDR or len(v) > MAX_TEXT:
-                raise ProtocolError("result: 'rejected' maps peer ids to reasons (str)")
+        d = fields_of(cls, obj, optional=("agreed", "accused"))
+        rejected = _reasons(d["rejected"], "rejected")
+        accused = _reasons(d.get("accused", {}), "accused")
         return cls(
             round=int_of(d, "round", cls, lo=0, hi=MAX_COUNT),
             applied=bool_of(d, "applied"),
@@ -400,7 +401,18 @@ class RoundResult:
             digest=str_of(d, "digest", cls, max_len=MAX_DIGEST),
             lineage=lineage_of(d, cls),
             agreed=link_of(d, "agreed", cls),
+            accused=accused,
         )
+
+
+def _reasons(v: Any, key: str) -> dict[str, str]:
+    """A map of at most MAX_PEERS peer ids to short reasons."""
+    if type(v) is not dict or len(v) > MAX_PEERS:
+        raise ProtocolError(f"result: {key!r} must be a map of at most {MAX_PEERS} entries")
+    for k, r in v.items():
+        if type(k) is not str or type(r) is not str or len(k) > MAX_ADDR or len(r) > MAX_TEXT:
+            raise ProtocolError(f"result: {key!r} maps peer ids to reasons (str)")
+    return dict(v)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -55,6 +55,7 @@ from node.outer.contract import (
     decode_command,
     encode,
 )
+from node.outer.contract_fields import MAX_ADDR, MAX_PEERS, MAX_TEXT
 from node.outer.parts import MAX_ADDRS
 from node.outer.state_download import state_digest
 from node.outer.wire import compression
@@ -87,6 +88,14 @@ def identity_file(identity: bytes) -> Iterator[str | None]:
         with os.fdopen(fd, "wb") as f:
             f.write(identity)
         yield str(path)
+
+
+def caught(info: dict[str, Any]) -> dict[str, str]:
+    """The groupmates this member caught itself in a group round (`accused`), as the
+    contract carries them."""
+    found = info.get("accused", {})
+    items = list(found.items())[:MAX_PEERS] if isinstance(found, dict) else []
+    return {str(k)[:MAX_ADDR]: str(v)[:MAX_TEXT] for k, v in items}
 
 
 def source_lineage(meta: dict[str, Any]) -> list[Link]:
@@ -348,6 +357,7 @@ class OuterProcess:
             info = None
         bytes_out, bytes_in, rejected = 0, 0, {}
         agreed = self.agreed(info, attested) if isinstance(info, dict) else None
+        accused = caught(info) if isinstance(info, dict) else {}
         if isinstance(info, dict) and not info.get("has_delta") and len(info["gathered"]) > 1:
             # A group formed but had nothing to average (no tokens anywhere, e.g. replicas
             # out of data whose trained work waits for a group round): it still settles
@@ -387,6 +397,7 @@ class OuterProcess:
             digest=self.digest,
             lineage=list(self.lineage),
             agreed=agreed,
+            accused=accused,
         )
 
     def step_alone(

@@ -75,6 +75,9 @@ class _Round:
             int, tuple[runtime_pb2.Tensor | None, torch.Tensor | None, list[Entry]]
         ] = {}
         self.reducing = False  # whether our part's reduction began (contributions closed)
+        # contributions to our part that we rejected as no honest replica sends them
+        # (peer base58 -> reason): first-hand, unlike the other reducers' manifests
+        self.suspects: dict[str, str] = {}
         self.changed = asyncio.Event()  # set whenever something arrives
         self.bytes_in = 0  # tensor bytes received (wire)
         self.bytes_out = 0  # tensor bytes sent and acknowledged (wire)
@@ -165,7 +168,7 @@ class ReduceScatterRounds(GroupRoundHost):
                     )  # fmt: skip
                 rnd.reducing = True  # later contributions are refused, not acknowledged
                 loop = asyncio.get_running_loop()
-                msg, manifest = await loop.run_in_executor(
+                msg, manifest, rnd.suspects = await loop.run_in_executor(
                     None, self._reduce, dict(rnd.contribs), peers, bounds[me], numel, ctx
                 )
                 decoded = decode_tensor(msg).flatten() if msg is not None else None
@@ -225,9 +228,10 @@ class ReduceScatterRounds(GroupRoundHost):
         bounds: tuple[int, int],
         numel: int,
         ctx: dict[str, Any],
-    ) -> tuple[runtime_pb2.Tensor | None, list[Entry]]:
-        """One part's aggregate, compressed once, and its manifest (in the group's order).
-        Also the auditor's re-computation: the same inputs give the same bytes."""
+    ) -> tuple[runtime_pb2.Tensor | None, list[Entry], dict[str, str]]:
+        """One part's aggregate, compressed once, its manifest (in the group's order) and
+        the contributions it rejected as suspect (peer base58 -> reason). Also the
+        auditor's re-computation: the same inputs give the same bytes."""
         order = [p for p in peers if p in contribs]
         agg = aggregate_part(
             [
@@ -249,10 +253,11 @@ class ReduceScatterRounds(GroupRoundHost):
             )
             for i, p in enumerate(order)
         ]
+        suspects = {order[i].to_base58(): agg.rejected[i][:MAX_REASON] for i in sorted(agg.suspect)}
         if agg.delta is None:
-            return None, manifest
+            return None, manifest, suspects
         d = agg.delta.contiguous()
-        return self._wire.compress(d, CompressionInfo.from_tensor(d, key=0)), manifest
+        return self._wire.compress(d, CompressionInfo.from_tensor(d, key=0)), manifest, suspects
 
     def _check_reducers(
         self,
@@ -313,7 +318,7 @@ class ReduceScatterRounds(GroupRoundHost):
             listed[peer] = rnd.audits[peer]
         if [e.peer for e in manifest] != [p.to_base58() for p in rnd.peer_ids if p in listed]:
             return "its manifest is not in the group's order"
-        again, _ = self._reduce(listed, rnd.peer_ids, rnd.bounds[k], numel, ctx)
+        again, _, _ = self._reduce(listed, rnd.peer_ids, rnd.bounds[k], numel, ctx)
         if (again is None) != (msg is None):
             return "sent an update where the audit finds none, or none where it finds one"
         if again is not None and msg is not None and _digest_of(again) != _digest_of(msg):
@@ -360,6 +365,9 @@ class ReduceScatterRounds(GroupRoundHost):
             "contributors": contributors,
             "weights": [weight[p] for p in contributors],
             "rejected": out_rejected,
+            # first-hand: the contributions our own reduction rejected as suspect, and
+            # the reducers this member caught (`_check_reducers`)
+            "accused": {**{p: f"part {rnd.me}: {r}" for p, r in rnd.suspects.items()}, **findings},
             "tokens": token_sum // numel,
             "has_delta": any(got[0] is not None for got in rnd.reduced.values()),
             "bytes_out": rnd.bytes_out,
