@@ -29,6 +29,7 @@ from node.peer_view import PeerView
 from node.routing import Router
 from node.worker import TorchWorker
 from protocol.control import LeaseInfo, PeerInfo, RunInfo
+from protocol.identity import NodeKey
 
 DECLARE_STATE_PERIOD_S = 5.0  # node.outer.process: the averager's declare_state_period (s)
 
@@ -275,7 +276,9 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
     )  # fmt: skip
     every = 5
     announced: dict[str, list[str]] = {}
-    ids = ("12D3KooWAaaa", "12D3KooWBbbb")  # A's DHT is the run's root
+    keys = {k.peer_id: k for k in (NodeKey.generate(), NodeKey.generate())}
+    ids = tuple(keys)  # A's DHT is the run's root
+    # each outer process runs under its node's key: the members its rounds admit
 
     def view(known: dict[str, list[str]]) -> dict[str, PeerInfo]:
         return {
@@ -315,7 +318,7 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
             snapshot=pool.snapshot if b else (lambda: RoundMark(0)),
             on_state=on_state_b if b else on_state_a, on_replaced=on_replaced_b if b else None,
             announce_dht=lambda addrs: announced.__setitem__(p, addrs),
-            events=EventLog(tmp_path / f"{p}.jsonl"),
+            events=EventLog(tmp_path / f"{p}.jsonl"), identity=keys[p].libp2p_private_key(),
         )  # fmt: skip
 
     loops = {p: loop(p) for p in ids}
