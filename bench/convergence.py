@@ -123,6 +123,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--outer-lr", type=float, default=None, help="eta (default: the node's)")
     p.add_argument("--outer-momentum", type=float, default=None, help="mu (default: the node's)")
+    p.add_argument(
+        "--outer-robust", choices=("on", "off"), default=None,
+        help="robust aggregation of outer rounds (clipping, the pair bound; default: the"
+        " node's, on); off: the plain weighted mean, to measure what robustness costs",
+    )  # fmt: skip
     p.add_argument("--kills", type=int, default=2, help="kill+join events in the churn run")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches")
     p.add_argument(
@@ -175,6 +180,7 @@ def _node_config(args: argparse.Namespace, inner_tokens: int) -> dict[str, Any]:
         "outer_participation_power": args.participation_power,
         "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum,
+        "outer_robust": None if args.outer_robust is None else args.outer_robust == "on",
     }
 
 
@@ -421,6 +427,7 @@ def main(argv: list[str]) -> int:
         "participation_power": args.participation_power,
         "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum,
+        "outer_robust": args.outer_robust or "on (node default)",
         "kills": args.kills,
         "runs": [],
     }

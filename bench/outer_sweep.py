@@ -259,7 +259,16 @@ def _row(
         "mean_eta_r": r.mean_eta_r,
         "wall_s": round(r.seconds, 1),
         "events": r.events,
+        # min, median and max over the rounds with two contributions (None: none had two)
+        "pair_cos": _spread([x.pair_cos for x in r.log if x.pair_cos is not None]),
     }
+
+
+def _spread(xs: list[float]) -> list[float] | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return [round(s[0], 4), round(s[(len(s) - 1) // 2], 4), round(s[-1], 4)]
 
 
 class _Bar:

@@ -210,6 +210,9 @@ class RoundLog:
     tokens: int
     train_loss: float
     events: list[str] = field(default_factory=list)
+    # with two contributions: the cosine of their pseudo-gradients (as sent), what the
+    # pair bound (node.diloco.pair_problem) checks against its floor
+    pair_cos: float | None = None
 
 
 @dataclass
@@ -332,6 +335,12 @@ class Simulation:
 
     def apply(self, k: int, contribs: Sequence[Contribution]) -> RoundLog:
         """The real outer step, then every replica (and any joiner) takes the new theta_g."""
+        cos = None
+        if len(contribs) == 2:
+            a, b = contribs[0].delta, contribs[1].delta
+            cos = float(
+                torch.dot(a, b) / (torch.linalg.vector_norm(a) * torch.linalg.vector_norm(b))
+            )
         rep_: StepReport | None = outer_step(self.state, contribs, self.dcfg) if contribs else None
         for slot, joiner in self.joining.items():
             self.replicas[slot] = joiner
@@ -354,6 +363,7 @@ class Simulation:
             tokens=rep_.tokens if rep_ is not None else 0,
             train_loss=sum(losses) / len(losses) if losses else float("nan"),
             events=list(self._events),
+            pair_cos=cos,
         )
 
     def round(self, k: int) -> RoundLog:

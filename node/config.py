@@ -85,6 +85,11 @@ class NodeConfig:
     # p in eta_r = eta * min(1, round tokens / target)^p; target = replicas of the stage x
     # outer_every_steps x inner_batch_tokens (docs/outer-loop.md) (dimensionless)
     outer_participation_power: float = 0.5
+    # robust aggregation of outer rounds: centered clipping in groups of three or more,
+    # and in groups of two each reducer bounds the other's contribution by its own (norm
+    # and direction: node.diloco.pair_problem); false = the plain token-weighted mean
+    # (non-finite and absurd-norm contributions are still rejected) (switch)
+    outer_robust: bool = True
     checkpoint_dir: Path | None = None  # write stage{K}.safetensors + .json here (None = off)
     checkpoint_every_rounds: int = 1  # applied outer rounds between checkpoints (and at drain)
     events_file: Path | None = None  # append structured events here (node.events; None = off)

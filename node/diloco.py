@@ -198,7 +198,11 @@ def part_share(bounds: tuple[int, int], numel: int) -> float:
 
 
 def aggregate_part(
-    contribs: Sequence[Contribution], ref_norm: float, share: float, cfg: DilocoConfig
+    contribs: Sequence[Contribution],
+    ref_norm: float,
+    share: float,
+    cfg: DilocoConfig,
+    own: int | None = None,
 ) -> Aggregate:
     """`aggregate` of one part of the vector (each `delta` is that part of a member's
     pseudo-gradient), with its bounds scaled to the part: the norm bound is
@@ -206,14 +210,41 @@ def aggregate_part(
     `share` is `part_share` of the part and `ref_norm` the whole vector's reference norm.
     The median check and the weights are the whole vector's rules, per part. A
     contribution that passes every part's norm bound passes the whole vector's, since the
-    squared shares sum to 1."""
+    squared shares sum to 1. `own` is the index of the reducer's own contribution: when
+    it and one other are usable, the other must pass `pair_problem` against it."""
     if not 0.0 < share <= 1.0:
         raise ValueError(f"share must be in (0, 1], got {share}")
-    return _aggregate(contribs, ref_norm * share, cfg.clip_radius * share, cfg)
+    return _aggregate(contribs, ref_norm * share, cfg.clip_radius * share, cfg, own)
+
+
+def pair_problem(ours: Contribution, theirs: Contribution, cfg: DilocoConfig) -> str | None:
+    """Why a reducer that has only its own contribution and one other to average rejects
+    the other's, or None: a norm past `pair_max_ratio` x its own (times the ratio of the
+    tokens they claim, when the other claims more), or a cosine below `pair_cos_sigmas /
+    sqrt(n)`, where two random directions of n elements fall with probability about
+    that many standard deviations' tail: noise of any norm, a sign flip, or a descent
+    unrelated to the reducer's own. Honest replicas start from one theta_g and descend
+    one loss, so their pseudo-gradients point alike (docs/outer-averaging.md)."""
+    a, b = ours.delta, theirs.delta
+    na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
+    if cfg.pair_max_ratio > 0.0:
+        limit = cfg.pair_max_ratio * na * max(1.0, theirs.tokens / max(ours.tokens, 1))
+        if nb > limit:
+            return f"pair: norm {nb:.3g} above {cfg.pair_max_ratio} x the reducer's {na:.3g}"
+    if cfg.pair_cos_sigmas > 0.0 and na > 0.0 and nb > 0.0:
+        cos = float(torch.dot(a, b)) / (na * nb)
+        floor = cfg.pair_cos_sigmas / math.sqrt(a.numel())
+        if cos < floor:
+            return f"pair: cosine {cos:.3g} with the reducer's below {floor:.3g}"
+    return None
 
 
 def _aggregate(
-    contribs: Sequence[Contribution], ref_norm: float, clip_radius: float, cfg: DilocoConfig
+    contribs: Sequence[Contribution],
+    ref_norm: float,
+    clip_radius: float,
+    cfg: DilocoConfig,
+    own: int | None = None,
 ) -> Aggregate:
     rejected: dict[int, str] = {}
     suspect: set[int] = set()
@@ -241,6 +272,13 @@ def _aggregate(
                 rejected[i] = f"norm {n:.3g} above {cfg.max_median_ratio} x median {median:.3g}"
                 suspect.add(i)
                 weights[i] = 0.0
+    pair = [i for i in norms if weights[i] > 0.0]
+    if own in pair and len(pair) == 2:
+        other = pair[0] if pair[1] == own else pair[1]
+        reason = pair_problem(contribs[own], contribs[other], cfg)
+        if reason is not None:
+            rejected[other], weights[other] = reason, 0.0
+            suspect.add(other)
     total = float(sum(weights))
     tokens = sum(c.tokens for i, c in enumerate(contribs) if weights[i] > 0.0)
     if total <= 0.0:

@@ -26,6 +26,7 @@ state may be unchanged: `facts.applied`); nothing outside this module touches th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -268,6 +269,11 @@ class OuterLoop:
 
 def outer_config(cfg: NodeConfig) -> OuterConfig:
     """The outer process's settings from the node's."""
+    diloco = DilocoConfig(
+        eta=cfg.outer_lr, mu=cfg.outer_momentum, participation_power=cfg.outer_participation_power
+    )
+    if not cfg.outer_robust:  # the plain weighted mean (NodeConfig.outer_robust)
+        diloco = dataclasses.replace(diloco, clip_rel=0.0, pair_max_ratio=0.0, pair_cos_sigmas=0.0)
     return OuterConfig(
         compression=cfg.outer_compression,
         matchmaking_s=cfg.outer_matchmaking_s,
@@ -276,9 +282,5 @@ def outer_config(cfg: NodeConfig) -> OuterConfig:
         state_timeout_s=cfg.outer_state_timeout_s,
         port=cfg.outer_port,
         announce=list(cfg.outer_announce),
-        diloco=DilocoConfig(
-            eta=cfg.outer_lr,
-            mu=cfg.outer_momentum,
-            participation_power=cfg.outer_participation_power,
-        ),
+        diloco=diloco,
     )

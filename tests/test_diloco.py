@@ -16,6 +16,7 @@ from node.diloco import (
     centered_clip,
     merge_local_progress,
     outer_step,
+    pair_problem,
     part_bounds,
     part_share,
     participation_lr,
@@ -271,3 +272,54 @@ def test_two_contributions_are_averaged_without_clipping_by_default() -> None:
     a = aggregate(cs, 1.0, DilocoConfig()).delta
     b = aggregate(cs, 1.0, DilocoConfig(clip_rel=0.0)).delta
     assert a is not None and b is not None and torch.equal(a, b)
+
+
+def _pair(seed: int, n: int = 10_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two honest-like deltas: a shared descent plus each one's own part (cosine ~0.5)."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(n, generator=g) * 0.01
+    return common + torch.randn(n, generator=g) * 0.01, common + torch.randn(n, generator=g) * 0.01
+
+
+def test_the_pair_bound_rejects_what_points_against_or_across_the_reducers_own() -> None:
+    cfg = DilocoConfig()
+    ours, theirs = _pair(1)
+    mine = Contribution(delta=ours, tokens=100)
+    assert pair_problem(mine, Contribution(delta=theirs, tokens=100), cfg) is None
+    noise = torch.randn(ours.numel(), generator=torch.Generator().manual_seed(2))
+    noise *= torch.linalg.vector_norm(theirs) / torch.linalg.vector_norm(noise)
+    for bad, what in [(-theirs, "cosine"), (noise, "cosine"), (theirs * 100, "norm")]:
+        why = pair_problem(mine, Contribution(delta=bad, tokens=100), cfg)
+        assert why is not None and why.startswith(f"pair: {what}"), why
+    # a groupmate that trained 3 x the tokens may be up to 3 x 4 x longer
+    longer = Contribution(delta=theirs * 10, tokens=300)
+    assert pair_problem(mine, longer, cfg) is None
+    assert pair_problem(mine, Contribution(delta=theirs * 10, tokens=100), cfg) is not None
+    off = DilocoConfig(pair_max_ratio=0.0, pair_cos_sigmas=0.0)
+    assert pair_problem(mine, Contribution(delta=-theirs * 100, tokens=100), off) is None
+
+
+def test_the_pair_bound_applies_to_two_usable_contributions_with_the_reducers_own() -> None:
+    ours, theirs = _pair(3)
+    cs = [Contribution(delta=ours, tokens=100), Contribution(delta=-theirs, tokens=100)]
+    agg = aggregate_part(cs, 10.0, 1.0, DilocoConfig(), own=0)
+    assert agg.weights == [100.0, 0.0] and agg.suspect == {1}
+    assert agg.rejected[1].startswith("pair: cosine") and agg.delta is not None
+    assert torch.allclose(agg.delta, ours)
+    # the reducer's own is rejected (no tokens): nothing to bound against
+    stale = [Contribution(delta=ours, tokens=0), Contribution(delta=-theirs, tokens=100)]
+    assert aggregate_part(stale, 10.0, 1.0, DilocoConfig(), own=0).weights == [0.0, 100.0]
+    # no reducer (a lone step, the all-gather scheme) or three contributions: no pair bound
+    assert aggregate_part(cs, 10.0, 1.0, DilocoConfig()).weights == [100.0, 100.0]
+    third = Contribution(delta=ours.clone(), tokens=100)
+    assert aggregate_part([*cs, third], 10.0, 1.0, DilocoConfig(), own=0).rejected == {}
+
+
+def test_an_honest_pair_of_the_bench_model_points_alike() -> None:
+    """The floor is sigmas / sqrt(n): on a real part of the tiny model's stage (about
+    10^5 elements) about 0.013, far below the cosines measured between two replicas'
+    pseudo-gradients in `agora bench outer-sweep` runs (0.17-0.94, docs/outer-averaging.md),
+    and far above what noise reaches (one standard deviation is 1 / sqrt(n))."""
+    cfg = DilocoConfig()
+    n = 100_000
+    assert cfg.pair_cos_sigmas / math.sqrt(n) < 0.02

@@ -75,7 +75,8 @@ def stage_round(
         assert link.fetch_state(timeout=15) == 0 and link.digest == out[0].digest
     for i, link in enumerate(out):
         told = members if listed and i < 2 else None
-        link.begin_round([theta0 - 0.01 * vec(10 + i)], TOKENS[i], members=told)
+        # a shared step plus one of its own: replicas' deltas point alike, as honest ones do
+        link.begin_round([theta0 - 0.01 * (vec(1) + vec(10 + i))], TOKENS[i], members=told)
     results = [link.wait_result(60) for link in out[:2]]
     try:
         out[2].wait_result(60)

@@ -54,6 +54,14 @@ def params(seed: int, scale: float) -> list[torch.Tensor]:
     return [torch.randn(N // 2, generator=g) * scale, torch.randn(N // 2, generator=g) * scale]
 
 
+def trained(theta0: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """A replica's working copy after a little training: a step shared by every replica
+    (they descend one loss from one theta_g) plus one of its own, so replicas' deltas
+    point alike, as honest ones do (a groupmate's unrelated delta is rejected)."""
+    common = params(99, 1.0)
+    return [p - 0.01 * (c + q) for p, c, q in zip(theta0, common, params(seed, 1.0), strict=True)]
+
+
 def test_group_round_gives_identical_state_and_a_joiner_downloads_it(
     links: list[OuterLink], child_env: dict[str, str]
 ) -> None:
@@ -69,8 +77,7 @@ def test_group_round_gives_identical_state_and_a_joiner_downloads_it(
     assert all(torch.equal(x, y) for x, y in zip(got, theta0, strict=True))
 
     # each replica trained a little; B saw three times the tokens of A
-    wa = [p - 0.01 * q for p, q in zip(theta0, params(1, 1.0), strict=True)]
-    wb = [p - 0.01 * q for p, q in zip(theta0, params(2, 1.0), strict=True)]
+    wa, wb = trained(theta0, 1), trained(theta0, 2)
     a.begin_round(wa, 100)
     b.begin_round(wb, 300)
     ra, rb = a.wait_result(30), b.wait_result(30)
@@ -254,7 +261,7 @@ class Compute:
         pass
 
     def train(self, steps: int, seed: int) -> None:
-        self.weights -= 1e-3 * torch.cat(params(seed, 1.0))
+        self.weights -= 1e-3 * (torch.cat(params(99, 1.0)) + torch.cat(params(seed, 1.0)))
         self.inner_steps += steps
         self.tokens_trained += 100 * steps
 
@@ -398,8 +405,7 @@ def test_a_replica_sees_a_groupmate_looking_for_a_group_and_joins_its_round(
     a.set_initial_state(theta0)
     assert b.fetch_state(timeout=15) == 0
     assert a.peers_waiting() == 0 and b.peers_waiting() == 0  # nobody is in a round
-    wa = [p - 0.01 * q for p, q in zip(theta0, params(1, 1.0), strict=True)]
-    wb = [p - 0.01 * q for p, q in zip(theta0, params(2, 1.0), strict=True)]
+    wa, wb = trained(theta0, 1), trained(theta0, 2)
     a.begin_round(wa, 100)
     deadline = time.monotonic() + 10.0
     while b.peers_waiting() == 0:

@@ -44,6 +44,13 @@ def vec(seed: int, scale: float) -> torch.Tensor:
     return torch.randn(N, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+def work(theta0: torch.Tensor, i: int) -> torch.Tensor:
+    """Member i's working copy after training: a step shared by every member (they descend
+    one loss from one theta_g) plus one of its own, so their deltas point alike, as honest
+    ones do (with two contributions to a part, an unrelated one is rejected)."""
+    return theta0 - 0.01 * (vec(1, 1.0) + vec(10 + i, 1.0))
+
+
 def group(
     links: list[OuterLink], env: dict[str, str], n: int, rogue: dict[int, str] | None = None
 ) -> tuple[list[OuterLink], torch.Tensor]:
@@ -75,7 +82,7 @@ def grouped_round(
     for attempt in range(4):
         members, theta0 = group(links, env, 3, rogue)
         for i, m in enumerate(members):
-            m.begin_round([theta0 - 0.01 * vec(10 + i, 1.0)], 100 * (i + 1))
+            m.begin_round([work(theta0, i)], 100 * (i + 1))
         honest = [m for i, m in enumerate(members) if rogue.get(i) != "freeze_in_group"]
         results = [m.wait_result(60) for m in honest]
         if grouped(results):
@@ -91,7 +98,7 @@ def test_three_replicas_reduce_scatter_to_bitwise_identical_states(
     members, theta0, results = grouped_round(
         links, child_env, {}, lambda rs: all(r.group_size == 3 for r in rs)
     )
-    works = [theta0 - 0.01 * vec(10 + i, 1.0) for i in range(3)]
+    works = [work(theta0, i) for i in range(3)]
     assert all(r.group_size == 3 and r.applied and r.contributed for r in results), results
     assert len({r.digest for r in results}) == 1  # theta_g and m bitwise identical
     assert all(torch.equal(members[0].theta_g(), m.theta_g()) for m in members[1:])
@@ -179,3 +186,29 @@ def test_a_member_with_a_hostile_contribution_is_rejected_or_bounded(
     assert not any(p in ra.rejected for p in (a.peer_id, b.peer_id)), ra.rejected
     # each reduced C's contribution to its own part and caught it first-hand
     assert list(ra.accused) == list(rb.accused) == [c.peer_id], (ra.accused, rb.accused)
+
+
+@pytest.mark.parametrize("attack", ["sign_flip", "noise", "scaled_delta"])
+def test_in_a_group_of_two_the_reducer_bounds_the_others_contribution_by_its_own(
+    links: list[OuterLink], child_env: dict[str, str], attack: str
+) -> None:
+    """A group of two has no majority: A, reducing its part, rejects C's contribution when
+    it points against or across A's own (a sign flip, noise of A's norm) or is far longer
+    (x 100: past the reference norm bound, before the pair's), and reports C (`accused`).
+    C's own part is C's to reduce: a reducer controls
+    its part, which is why a stage of two can be steered for a round and drops nobody."""
+    for attempt in range(4):
+        (a, c), theta0 = group(links, child_env, 2, {1: attack})
+        a.begin_round([work(theta0, 0)], 100)
+        c.begin_round([work(theta0, 1)], 100)
+        ra = a.wait_result(60)
+        if ra.group_size == 2:
+            break
+        print(f"attempt {attempt}: group size {ra.group_size}")
+    else:
+        pytest.fail("A and C never formed a group of two in 4 tries")
+    why = ra.accused.get(c.peer_id, "")
+    # x 100 passes the reference norm bound first (max_rel_norm x ||theta_g||)
+    expect = "norm" if attack == "scaled_delta" else "pair: cosine"
+    assert expect in why and expect in ra.rejected.get(c.peer_id, ""), (ra.accused, ra.rejected)
+    assert ra.contributed and a.peer_id not in ra.accused

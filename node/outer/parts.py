@@ -189,10 +189,11 @@ def audit_choice(group_id: bytes, members: int, parts: int) -> tuple[int, int] |
     return auditor, others[(h // members) % len(others)]
 
 
-def is_median_reason(reason: str) -> bool:
-    """Whether a rejection reason is the median check's (which a member cannot re-check
-    from its own contribution alone)."""
-    return "median" in reason
+def needs_others(reason: str) -> bool:
+    """Whether a rejection reason is one a member cannot re-check from its own
+    contribution alone: the median check's, or the pair bound's (`node.diloco.
+    pair_problem`, against the reducer's own contribution). The audit re-checks them."""
+    return "median" in reason or reason.startswith("pair: ")
 
 
 def own_entry_finding(
@@ -205,9 +206,9 @@ def own_entry_finding(
     """What is wrong with a reducer's report of this member's contribution, which the
     reducer acknowledged receiving, or None: it must list it, with the digest of the bytes
     sent, and weight it with the weight it is owed (`owed_weight`: tokens x staleness
-    weight from the gathered metadata) unless it rejects it; a rejection other than the
-    median check's must be one that the member's own check (`own_reason`: the
-    single-contribution rules on its own part) also finds."""
+    weight from the gathered metadata) unless it rejects it; a rejection that does not
+    need the others' contributions (`needs_others`) must be one that the member's own
+    check (`own_reason`: the single-contribution rules on its own part) also finds."""
     mine = [e for e in manifest if e.peer == me]
     if not mine:
         return "left out a contribution it acknowledged"
@@ -218,6 +219,6 @@ def own_entry_finding(
         if e.reason or e.weight != owed_weight:
             return f"weighted it {e.weight!r}, owed {owed_weight!r}"
         return None
-    if not is_median_reason(e.reason) and own_reason is None:
+    if not needs_others(e.reason) and own_reason is None:
         return f"rejected it for {e.reason[:120]!r}, which it passes"
     return None

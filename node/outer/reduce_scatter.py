@@ -169,7 +169,7 @@ class ReduceScatterRounds(GroupRoundHost):
                 rnd.reducing = True  # later contributions are refused, not acknowledged
                 loop = asyncio.get_running_loop()
                 msg, manifest, rnd.suspects = await loop.run_in_executor(
-                    None, self._reduce, dict(rnd.contribs), peers, bounds[me], numel, ctx
+                    None, self._reduce, dict(rnd.contribs), peers, me, numel, ctx
                 )
                 decoded = decode_tensor(msg).flatten() if msg is not None else None
                 rnd.reduced[me] = (msg, decoded, manifest)
@@ -225,14 +225,17 @@ class ReduceScatterRounds(GroupRoundHost):
         self,
         contribs: dict[PeerID, tuple[runtime_pb2.Tensor, torch.Tensor]],
         peers: list[PeerID],
-        bounds: tuple[int, int],
+        j: int,
         numel: int,
         ctx: dict[str, Any],
     ) -> tuple[runtime_pb2.Tensor | None, list[Entry], dict[str, str]]:
         """One part's aggregate, compressed once, its manifest (in the group's order) and
         the contributions it rejected as suspect (peer base58 -> reason). Also the
-        auditor's re-computation: the same inputs give the same bytes."""
+        auditor's re-computation: the same inputs give the same bytes. `j` is the part,
+        reduced by member j, whose own contribution the others' are bounded against when
+        there are two (`node.diloco.pair_problem`)."""
         order = [p for p in peers if p in contribs]
+        bounds = part_bounds(numel, len(peers))[j]
         agg = aggregate_part(
             [
                 Contribution(
@@ -243,6 +246,7 @@ class ReduceScatterRounds(GroupRoundHost):
             ctx["ref_norm"],
             part_share(bounds, numel),
             self._diloco,
+            own=order.index(peers[j]) if peers[j] in order else None,
         )
         manifest = [
             Entry(
@@ -318,7 +322,7 @@ class ReduceScatterRounds(GroupRoundHost):
             listed[peer] = rnd.audits[peer]
         if [e.peer for e in manifest] != [p.to_base58() for p in rnd.peer_ids if p in listed]:
             return "its manifest is not in the group's order"
-        again, _, _ = self._reduce(listed, rnd.peer_ids, rnd.bounds[k], numel, ctx)
+        again, _, _ = self._reduce(listed, rnd.peer_ids, k, numel, ctx)
         if (again is None) != (msg is None):
             return "sent an update where the audit finds none, or none where it finds one"
         if again is not None and msg is not None and _digest_of(again) != _digest_of(msg):

@@ -52,6 +52,14 @@ class DilocoConfig:
     clip_rel: float = 2.0
     # a member's claimed tokens count up to this x the group's median claim (dimensionless)
     max_token_ratio: float = 4.0
+    # two usable contributions to a reduced part (no majority to take a median of): the
+    # reducer rejects the other's when its norm passes this x its own, times their token
+    # ratio when the other claims more (dimensionless); 0 = no norm bound
+    pair_max_ratio: float = 4.0
+    # ... or when their cosine is below this many standard deviations of two random
+    # directions (sigmas / sqrt(part length)): noise, or opposed to the reducer's own
+    # descent (dimensionless); 0 = no direction bound
+    pair_cos_sigmas: float = 4.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.eta <= 10.0:
@@ -77,6 +85,13 @@ class DilocoConfig:
             raise ValueError(f"max_token_ratio must be >= 1, got {self.max_token_ratio}")
         if not 0.0 <= self.clip_rel <= 1e6:
             raise ValueError(f"clip_rel must be in [0, 1e6], got {self.clip_rel}")
+        if not (0.0 <= self.pair_max_ratio <= 1e6 and 0.0 <= self.pair_cos_sigmas <= 1e6):
+            raise ValueError(
+                f"pair_max_ratio and pair_cos_sigmas must be in [0, 1e6], got "
+                f"{self.pair_max_ratio} and {self.pair_cos_sigmas}"
+            )
+        if 0.0 < self.pair_max_ratio < 1.0:
+            raise ValueError(f"pair_max_ratio must be 0 (off) or >= 1, got {self.pair_max_ratio}")
         if self.clip_radius < 0.0 or self.clip_iters < 1:
             raise ValueError(
                 f"clip_radius must be >= 0 and clip_iters >= 1, got {self.clip_radius}, {self.clip_iters}"

@@ -8,6 +8,8 @@ Attacks (`--attack`):
   although it acknowledged the others', and says so in its manifest: every honest member
   whose contribution it acknowledged catches it (`own_entry_finding`);
 - `scaled_delta`, `nan_delta`: it contributes its pseudo-gradient times 100, or with NaNs;
+- `sign_flip`, `noise`: it contributes its pseudo-gradient negated, or random noise of the
+  same norm (inside every norm bound);
 - `inflated_claims`: it claims round 2**62 and 10**15 tokens in its gathered metadata;
 - `state_takeover`: once it holds a state, it declares state-sharing priority 2**62 in
   the DHT and serves a forged state of round 2**62 to whoever downloads one.
@@ -25,8 +27,8 @@ import sys
 from typing import Any
 
 ATTACKS = (
-    "freeze_in_group", "own_part_only", "scaled_delta", "nan_delta", "inflated_claims",
-    "state_takeover",
+    "freeze_in_group", "own_part_only", "scaled_delta", "nan_delta", "sign_flip", "noise",
+    "inflated_claims", "state_takeover",
 )  # fmt: skip
 FORGED_ROUND = 2**62  # the round `state_takeover` declares and serves
 
@@ -72,6 +74,12 @@ def rogue_averager(attack: str) -> Any:
                     tensors[0].mul_(100.0)
                 elif attack == "nan_delta":
                     tensors[0][::7] = float("nan")
+                elif attack == "sign_flip":
+                    tensors[0].neg_()
+                elif attack == "noise":
+                    norm = torch.linalg.vector_norm(tensors[0])
+                    noise = torch.randn_like(tensors[0])
+                    tensors[0].copy_(noise * (norm / torch.linalg.vector_norm(noise)))
             if attack == "inflated_claims" and isinstance(gather, dict):
                 gather = {**gather, "round": 2**62, "base_round": 2**62, "tokens": 10**15}
             return super().step(*args, gather=gather, **kwargs)
