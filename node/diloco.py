@@ -217,25 +217,36 @@ def aggregate_part(
     return _aggregate(contribs, ref_norm * share, cfg.clip_radius * share, cfg, own)
 
 
-def pair_problem(ours: Contribution, theirs: Contribution, cfg: DilocoConfig) -> str | None:
+# a pair-bound rejection is reported to the coordinator (`Aggregate.suspect`) only for a
+# norm past the bound or a cosine below this: opposed to the reducer's own descent. Honest
+# pairs reached cosines of -0.014 in a real swarm (a replica near the end of its data, one
+# that had stepped alone on another state), rejected but not reported (dimensionless)
+OPPOSED_COS = -0.1
+
+
+def pair_problem(
+    ours: Contribution, theirs: Contribution, cfg: DilocoConfig
+) -> tuple[str, bool] | None:
     """Why a reducer that has only its own contribution and one other to average rejects
     the other's, or None: a norm past `pair_max_ratio` x its own (times the ratio of the
     tokens they claim, when the other claims more), or a cosine below `pair_cos_sigmas /
     sqrt(n)`, where two random directions of n elements fall with probability about
     that many standard deviations' tail: noise of any norm, a sign flip, or a descent
     unrelated to the reducer's own. Honest replicas start from one theta_g and descend
-    one loss, so their pseudo-gradients point alike (docs/outer-averaging.md)."""
+    one loss, so their pseudo-gradients point alike (docs/outer-averaging.md). Returns the
+    reason and whether no honest replica sends such a contribution (a norm past the
+    bound, or a cosine below `OPPOSED_COS`): only those are reported."""
     a, b = ours.delta, theirs.delta
     na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
     if cfg.pair_max_ratio > 0.0:
         limit = cfg.pair_max_ratio * na * max(1.0, theirs.tokens / max(ours.tokens, 1))
         if nb > limit:
-            return f"pair: norm {nb:.3g} above {cfg.pair_max_ratio} x the reducer's {na:.3g}"
+            return f"pair: norm {nb:.3g} above {cfg.pair_max_ratio} x the reducer's {na:.3g}", True
     if cfg.pair_cos_sigmas > 0.0 and na > 0.0 and nb > 0.0:
         cos = float(torch.dot(a, b)) / (na * nb)
         floor = cfg.pair_cos_sigmas / math.sqrt(a.numel())
         if cos < floor:
-            return f"pair: cosine {cos:.3g} with the reducer's below {floor:.3g}"
+            return f"pair: cosine {cos:.3g} with the reducer's below {floor:.3g}", cos < OPPOSED_COS
     return None
 
 
@@ -275,10 +286,11 @@ def _aggregate(
     pair = [i for i in norms if weights[i] > 0.0]
     if own in pair and len(pair) == 2:
         other = pair[0] if pair[1] == own else pair[1]
-        reason = pair_problem(contribs[own], contribs[other], cfg)
-        if reason is not None:
-            rejected[other], weights[other] = reason, 0.0
-            suspect.add(other)
+        found = pair_problem(contribs[own], contribs[other], cfg)
+        if found is not None:
+            rejected[other], weights[other] = found[0], 0.0
+            if found[1]:
+                suspect.add(other)
     total = float(sum(weights))
     tokens = sum(c.tokens for i, c in enumerate(contribs) if weights[i] > 0.0)
     if total <= 0.0:

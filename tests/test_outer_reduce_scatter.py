@@ -194,7 +194,8 @@ def test_in_a_group_of_two_the_reducer_bounds_the_others_contribution_by_its_own
 ) -> None:
     """A group of two has no majority: A, reducing its part, rejects C's contribution when
     it points against or across A's own (a sign flip, noise of A's norm) or is far longer
-    (x 100: past the reference norm bound, before the pair's), and reports C (`accused`).
+    (x 100: past the reference norm bound, before the pair's), and reports C (`accused`)
+    unless it only pointed across (noise).
     C's own part is C's to reduce: a reducer controls
     its part, which is why a stage of two can be steered for a round and drops nobody."""
     for attempt in range(4):
@@ -207,8 +208,11 @@ def test_in_a_group_of_two_the_reducer_bounds_the_others_contribution_by_its_own
         print(f"attempt {attempt}: group size {ra.group_size}")
     else:
         pytest.fail("A and C never formed a group of two in 4 tries")
-    why = ra.accused.get(c.peer_id, "")
     # x 100 passes the reference norm bound first (max_rel_norm x ||theta_g||)
     expect = "norm" if attack == "scaled_delta" else "pair: cosine"
-    assert expect in why and expect in ra.rejected.get(c.peer_id, ""), (ra.accused, ra.rejected)
+    assert expect in ra.rejected.get(c.peer_id, ""), ra.rejected
+    # reported when no honest replica sends it; noise points across, as an honest
+    # replica's delta sometimes does: rejected, not reported
+    assert (c.peer_id in ra.accused) == (attack != "noise"), ra.accused
+    assert expect in ra.accused.get(c.peer_id, expect)
     assert ra.contributed and a.peer_id not in ra.accused

@@ -95,6 +95,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         # averager process's copy, set by `set_members`): no other peer joins a group of
         # ours or serves us state; None admits anyone
         self._members: frozenset[str] | None = None
+        self._refused: set[PeerID] = set()  # strangers refused (and logged) so far
         super().__init__([contribution], dht, prefix=prefix, start=False, **kwargs)
 
     # ---- who may take part ---------------------------------------------------------------
@@ -108,6 +109,8 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
 
     async def _set_members(self, members: list[str] | None) -> None:
         self._members = None if members is None else frozenset(members)
+        if len(self._refused) > 4096:  # bounded: a peer forgotten is logged once more
+            self._refused.clear()
 
     def _admits(self, peer: PeerID) -> bool:
         return self._members is None or peer.to_base58() in self._members
@@ -118,7 +121,9 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         """hivemind's matchmaking, for members of the stage only: a peer the coordinator
         does not list on it is refused before it can join a group we lead."""
         if not self._admits(context.remote_id):
-            log.warning("refused %s: not a member of this stage", context.remote_id)
+            if context.remote_id not in self._refused:  # once per peer: it retries often
+                self._refused.add(context.remote_id)
+                log.warning("refused %s: not a member of this stage", context.remote_id)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):
@@ -155,8 +160,9 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         sources: list[str] | None = None,
     ) -> None:
         """The valid state of the first source, by sharing priority, that sends one; with
-        `want`, sources that declare its round go first, and a state of another round or
-        digest is refused; with `sources`, no other replica is asked."""
+        `want`, only sources that declare its round are asked (a declaration is renewed
+        every `declare_state_period`; the caller retries until its deadline), and a state
+        of another round or digest is refused; with `sources`, no other replica is asked."""
         try:
             wait = self.next_chunk_timeout or self.request_timeout  # s between two messages
             found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers",
@@ -173,8 +179,9 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
                 allowed = set(sources)
                 priority = {p: v for p, v in priority.items() if p.to_base58() in allowed}
             priority = {p: v for p, v in priority.items() if self._admits(p)}
-            if want is not None:  # who declares the wanted round first
-                priority = {p: (float(v[0] == want[0]), *v) for p, v in priority.items()}
+            if want is not None:  # only who declares the wanted round: any other state is
+                # refused after its download, and a source that moved on serves none
+                priority = {p: v for p, v in priority.items() if v[0] == want[0]}
             addrs = self._announced_addrs()
             for peer in sorted(priority, key=priority.__getitem__, reverse=True):
                 if peer == self.peer_id:
