@@ -17,7 +17,7 @@ with the square of a stage's replica count at most.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Container
 
 
 class Accusations:
@@ -49,13 +49,13 @@ class Accusations:
             if len({r for r, t in got if t >= since}) >= self.strikes
         }
 
-    def guilty(self, accused: str, stage: Collection[str], now: float) -> bool:
+    def guilty(self, accused: str, stage: Container[str], replicas: int, now: float) -> bool:
         """Whether to drop `accused`: more than half of the other live replicas of its
-        stage (`stage`: their peer ids, the accused's included), and at least two, are
-        its `accusers`."""
-        others = len([p for p in stage if p != accused])
+        stage (`stage` holds their peer ids and the accused's; `replicas` counts them all,
+        the accused included), and at least two, are its `accusers`. Costs the accusers,
+        not the stage: the caller passes a view (`coordinator.attest.LiveOn`)."""
         votes = len([p for p in self.accusers(accused, now) if p in stage and p != accused])
-        return votes >= 2 and 2 * votes > others
+        return votes >= 2 and 2 * votes > replicas - 1
 
     def forget(self, peer_id: str) -> None:
         """A replica that left or was dropped: its reports, and the reports on it."""

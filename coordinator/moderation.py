@@ -61,8 +61,8 @@ class Moderation:
             self.metrics.accusations.labels("recorded").inc()
             log.info("%s accuses %s (round %d): %s", accuser.peer_id, a.peer, a.round, a.reason)
             stage = LiveOn(self.membership.live, accuser.stage)
-            replicas = [p for p in self.membership.live if p in stage]
-            if self.accusations.guilty(a.peer, replicas, now):
+            replicas = self.membership.stage_counts()[accuser.stage]
+            if self.accusations.guilty(a.peer, stage, replicas, now):
                 by = sorted(self.accusations.accusers(a.peer, now))
                 self.ban_peer(a.peer, now, f"accused by {len(by)} replicas of stage "
                               f"{accuser.stage}: {', '.join(p[-8:] for p in by)}")  # fmt: skip

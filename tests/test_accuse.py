@@ -28,14 +28,14 @@ def test_most_of_a_stage_accusing_in_enough_rounds_drops_a_replica() -> None:
     for r in (1, 2):
         acc.record("a", "x", r, now=10.0)
         acc.record("b", "x", r, now=10.0)
-    assert not acc.guilty("x", stage, now=10.0)  # two rounds: not yet
+    assert not acc.guilty("x", stage, len(stage), now=10.0)  # two rounds: not yet
     acc.record("a", "x", 2, now=11.0)  # the same round again is no new strike
     assert acc.accusers("x", now=11.0) == set()
     acc.record("a", "x", 3, now=12.0)
-    assert acc.accusers("x", now=12.0) == {"a"} and not acc.guilty("x", stage, now=12.0)
+    assert acc.accusers("x", now=12.0) == {"a"} and not acc.guilty("x", stage, len(stage), now=12.0)
     acc.record("b", "x", 3, now=12.0)
-    assert acc.guilty("x", stage, now=12.0)
-    assert not acc.guilty("x", stage, now=200.0)  # past the window they no longer count
+    assert acc.guilty("x", stage, len(stage), now=12.0)
+    assert not acc.guilty("x", stage, len(stage), now=200.0)  # past the window they no longer count
     acc.forget("x")
     assert acc.accusers("x", now=12.0) == set()
 
@@ -43,13 +43,13 @@ def test_most_of_a_stage_accusing_in_enough_rounds_drops_a_replica() -> None:
 def test_a_stage_of_two_drops_nobody_and_one_liar_drops_no_one() -> None:
     acc = Accusations(strikes=1, window_s=100.0)
     acc.record("a", "b", 1, now=0.0)
-    assert not acc.guilty("b", ["a", "b"], now=0.0)  # either could be the liar
+    assert not acc.guilty("b", ["a", "b"], 2, now=0.0)  # either could be the liar
     acc.record("x", "a", 1, now=0.0)
-    assert not acc.guilty("a", ["a", "b", "x"], now=0.0)
+    assert not acc.guilty("a", ["a", "b", "x"], 3, now=0.0)
     acc.record("x", "a", 1, now=0.0)
     acc.record("y", "a", 1, now=0.0)  # y is not on the stage: its word does not count
-    assert not acc.guilty("a", ["a", "b", "x"], now=0.0)
-    assert acc.guilty("a", ["a", "x", "y"], now=0.0)
+    assert not acc.guilty("a", ["a", "b", "x"], 3, now=0.0)
+    assert acc.guilty("a", ["a", "x", "y"], 3, now=0.0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -69,7 +69,7 @@ def test_a_minority_of_liars_never_drops_an_honest_replica(
     for who, rnd in reports:
         if liars:
             acc.record(liars[who % len(liars)], "p0", rnd, now=1.0)
-        assert not acc.guilty("p0", stage, now=1.0)
+        assert not acc.guilty("p0", stage, len(stage), now=1.0)
 
 
 def test_accusations_over_the_wire_ban_the_replica_its_stage_caught(tmp_path: Path) -> None:
