@@ -90,6 +90,10 @@ class NodeConfig:
     # and direction: node.diloco.pair_problem); false = the plain token-weighted mean
     # (non-finite and absurd-norm contributions are still rejected) (switch)
     outer_robust: bool = True
+    # what runs the outer-loop process after the Python interpreter (argv); empty = the
+    # node's own (`-m node.outer`). A chaos harness substitutes a rogue one here
+    # (swarmlab.chaos.rogue_outer); nothing else should
+    outer_program: list[str] = dataclasses.field(default_factory=list)
     checkpoint_dir: Path | None = None  # write stage{K}.safetensors + .json here (None = off)
     checkpoint_every_rounds: int = 1  # applied outer rounds between checkpoints (and at drain)
     events_file: Path | None = None  # append structured events here (node.events; None = off)
@@ -164,6 +168,8 @@ class NodeConfig:
             raise ValueError(
                 "outer_announce needs a fixed outer_port (the port it forwards to), not 0"
             )
+        if not all(isinstance(a, str) and a for a in self.outer_program):
+            raise ValueError("outer_program: a list of non-empty arguments")
         if self.no_listen and self.relay_hop:
             raise ValueError("relay_hop needs inbound connections: it cannot go with no_listen")
         for relay in self.relays:

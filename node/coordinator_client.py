@@ -333,7 +333,8 @@ class CoordinatorClient:
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Heartbeat every `heartbeat_interval_s` until cancelled. Re-joins after a lapse
-        (`on_rejoin`); keeps trying through outages."""
+        (`on_rejoin`); keeps trying through outages. Raises `JoinRefused` once the
+        coordinator refuses this node for good (a ban, or a re-join it refuses)."""
         if self.joined is None:
             raise RuntimeError("join before starting the heartbeat loop")
         task_status.started()
@@ -345,14 +346,31 @@ class CoordinatorClient:
                     await on_reply(reply)
             except NotMemberError:
                 log.warning("membership lapsed; re-joining")
-                joined = await self.join()
-                if on_rejoin is not None:
+                joined = await self._rejoin()
+                if joined is not None and on_rejoin is not None:
                     await on_rejoin(joined)
             except CoordinatorUnavailable as exc:
                 log.warning("coordinator unavailable: %s", exc)
+            except CoordinatorError as exc:
+                if exc.code == "banned":  # nothing this node can do will change that
+                    raise JoinRefused(exc.code, exc.detail) from None
+                raise
             with trio.move_on_after(interval):  # or sooner, to report a new state
                 await self._report_now.wait()
             self._report_now = trio.Event()
+
+    async def _rejoin(self) -> c.JoinReply | None:
+        """Join again after a lapse; None when the coordinator is busy or unreachable (the
+        next heartbeat tries again). A refusal (a ban, closed auth) raises `JoinRefused`."""
+        try:
+            return await self.join()
+        except CoordinatorUnavailable as exc:
+            log.warning("coordinator unavailable for the re-join: %s", exc)
+        except CoordinatorError as exc:
+            if exc.code not in RETRY_CODES:
+                raise JoinRefused(exc.code, exc.detail) from None
+            log.warning("re-join deferred: %s", exc)
+        return None
 
     async def _membership_page(
         self, since: int, stage: int | None, after: str = ""

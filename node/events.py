@@ -12,7 +12,9 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
 - `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
 - `round_applied`: `round`, `group_size`, `tokens`, `seconds`, `rebased`, `contributed`
   (this replica's pseudo-gradient is in the new state with weight > 0), `joined_early`
-  (the round began before `every_steps` to join a replica that was forming a group)
+  (the round began before `every_steps` to join a replica that was forming a group),
+  `digest` (of the state now held), `agreed`, `rejected` (peer id -> why its contribution
+  was left out of the group's aggregate)
 - `round_not_applied`: `round`, `group_size`, `seconds` (the state did not change)
 - `accused`: `peer`, `round`, `reason`: this replica caught a groupmate in its outer round
   (a contribution no honest replica sends, or a reducer that lied) and reports it to the

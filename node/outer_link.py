@@ -134,12 +134,13 @@ class OuterLink:
         config: OuterConfig | None = None,
         env: dict[str, str] | None = None,
         python: str = sys.executable,
-        entry: Sequence[str] = ("-m", "node.outer"),
+        entry: Sequence[str] | None = None,
         identity: bytes = b"",
     ) -> OuterLink:
         """Start the outer process for `stage` of `run_id`, waiting (up to
         `config.startup_timeout_s`) until its DHT is up. `entry` is what follows the
-        interpreter on its command line (a rogue outer process in chaos tools and tests).
+        interpreter on its command line (default `config.program`; a rogue outer process
+        in chaos tools and tests).
         `identity` (`NodeKey.libp2p_private_key`) is the key its DHT runs under, so its
         peer id is the node's; b"" gives it a fresh one."""
         cfg = config or OuterConfig()
@@ -153,7 +154,7 @@ class OuterLink:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [python, *entry, "--fd", str(theirs.fileno())]
+        cmd = [python, *(cfg.program if entry is None else entry), "--fd", str(theirs.fileno())]
         try:
             proc = subprocess.Popen(  # own process group: hivemind's helpers follow its signals
                 cmd,

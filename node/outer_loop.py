@@ -38,6 +38,7 @@ from node.config import NodeConfig
 from node.diloco import DilocoConfig
 from node.events import EventLog
 from node.lease_pool import RoundFacts, RoundMark
+from node.outer.settings import OUTER_PROGRAM
 from node.outer_link import OuterConfig, OuterLinkError
 from node.outer_rounds import Attested, OuterRounds
 from node.peer_view import PeerView
@@ -283,4 +284,5 @@ def outer_config(cfg: NodeConfig) -> OuterConfig:
         port=cfg.outer_port,
         announce=list(cfg.outer_announce),
         diloco=diloco,
+        program=tuple(cfg.outer_program) or OUTER_PROGRAM,
     )

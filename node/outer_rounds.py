@@ -336,6 +336,7 @@ class OuterRounds:
                 tokens=result.tokens, seconds=result.seconds, rebased=result.rebased,
                 contributed=result.contributed, joined_early=self._joining,
                 digest=result.digest, agreed=list(result.agreed) if result.agreed else None,
+                rejected=dict(result.rejected),
             )  # fmt: skip
         else:
             log.warning(

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 from coordinator_harness import write_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.accuse import Accusations
-from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
+from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError, JoinRefused
 from protocol import control as c
 from protocol.identity import NodeKey
 from swarmlab.coordinator import start_coordinator
@@ -110,6 +111,9 @@ def test_accusations_over_the_wire_ban_the_replica_its_stage_caught(tmp_path: Pa
                 assert exc.code == "banned", exc
             else:
                 raise AssertionError("x was not banned")
+            with pytest.raises(JoinRefused, match="banned"):  # a node's loop stops for good
+                with trio.fail_after(10):
+                    await x.heartbeat_loop(list)
             status = await a.status()
             assert status.peers == 3 and status.leases["active"] == 0  # x's lease released
             assert (await a.heartbeat()).stage == 0 and (await b.heartbeat()).stage == 0

@@ -110,6 +110,9 @@ class DilocoConfig:
             raise ProtocolError(f"DilocoConfig: {exc}") from exc
 
 
+OUTER_PROGRAM = ("-m", "node.outer")  # the outer process's own program (argv after python)
+
+
 @dataclass(kw_only=True, slots=True)
 class OuterConfig:
     """Settings of the outer-loop process."""
@@ -130,6 +133,9 @@ class OuterConfig:
     startup_timeout_s: float = 90.0  # max time for the outer process to start its DHT (s)
     state_timeout_s: float = 20.0  # max time to download state from a live replica (s)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)  # outer optimizer (see there)
+    # what follows the Python interpreter on the outer process's command line (argv);
+    # `agora chaos --byzantine` substitutes a rogue one (swarmlab.chaos.rogue_outer)
+    program: tuple[str, ...] = OUTER_PROGRAM
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
@@ -141,6 +147,8 @@ class OuterConfig:
                 f"request_timeout_s ({self.request_timeout_s}) must be in (0, matchmaking_s = "
                 f"{self.matchmaking_s})"
             )
+        if not self.program or not all(isinstance(a, str) and a for a in self.program):
+            raise ValueError(f"program must be a non-empty list of arguments, got {self.program!r}")
         for name in ("round_timeout_s", "startup_timeout_s", "state_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -163,13 +171,18 @@ class OuterConfig:
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "diloco"
         }
         out["diloco"] = self.diloco.to_wire()
+        out["program"] = list(self.program)
         return out
 
     @classmethod
     def from_wire(cls, obj: Any) -> OuterConfig:
         """From a plain map (`to_wire`'s, or one written by hand); missing keys take their
         defaults, unknown keys are an error."""
-        nested = {"diloco": DilocoConfig.from_wire, "announce": _str_list}
+        nested = {
+            "diloco": DilocoConfig.from_wire,
+            "announce": _str_list,
+            "program": lambda o: tuple(_str_list(o)),
+        }
         kwargs = _settings(cls, obj, "OuterConfig", nested=nested)
         try:
             return cls(**kwargs)

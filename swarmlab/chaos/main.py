@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from swarmlab.chaos.byzantine import ByzantineRun, byzantine_ok, byzantine_plan
 from swarmlab.chaos.heldout import (
     TOKENS_TOLERANCE,
     HeldOut,
@@ -32,6 +33,8 @@ def chaos(cfg: ChaosConfig) -> dict[str, Any]:
     window = cfg.minutes * 60
     if cfg.hostile:
         faulty: Run = HostileRun(cfg, "hostile", hostile_plan(cfg.seed, window, cfg))
+    elif cfg.byzantine:
+        faulty = ByzantineRun(cfg, "byzantine", byzantine_plan(cfg.seed, window, cfg))
     else:
         faulty = Run(cfg, "chaos", plan(cfg.seed, window, cfg))
     calm = Run(cfg, "fault_free", [], keep_states=True) if cfg.baseline != "none" else None
@@ -83,6 +86,8 @@ def chaos(cfg: ChaosConfig) -> dict[str, Any]:
             report["final_loss_ratio"] = round(report["final_loss"] / base["final_loss"], 4)
     if cfg.measures_model:
         report.update(compare_heldout(faulty, calm if base else None, report["committed_tokens"]))
+    if cfg.byzantine:
+        report["ok"] = byzantine_ok(report)
     return report
 
 
@@ -184,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         " lease calls, oversized forwards, forged facility reports, key floods and replays,"
         " maximal address lists) while a probe times heartbeats; exit 0 iff additionally"
         " every heartbeat came back within the lease TTL and commits grew in each third of"
-        " the window.",
+        " the window. With --byzantine, a third replica joins one stage at a time and plays"
+        " one attack on the outer loop per slot (state takeover through DHT priority,"
+        " inflated round and token claims, a delta x100, a sign-flipped delta, noise of"
+        " honest norm, NaN and Inf, a smallest-peer-id bootstrap grab, a forged export"
+        " source); exit 0 iff additionally the honest replicas of every stage stayed"
+        " bitwise identical, no attack got through, and the held-out loss is within 3% of"
+        " the fault-free run's at equal committed tokens.",
     )
     p.add_argument("--minutes", type=float, required=True, help="length of the fault window")
     p.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
@@ -204,6 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         help="play hostile attacks (swarmlab.chaos.hostile) instead of crashes; the report"
         " adds attacks, heartbeat_max_s, heartbeat_max_gap_s, commits_by_third and ok",
     )  # fmt: skip
+    p.add_argument(
+        "--byzantine", action="store_true",
+        help="play Byzantine replicas (swarmlab.chaos.byzantine) instead of crashes; the report"
+        " adds attacks (each with its count and outcome), attackers_rejected,"
+        " honest_replicas_identical, honest_rounds and ok",
+    )  # fmt: skip
+    p.add_argument(
+        "--attacks", default="", metavar="A,B,...",
+        help="with --byzantine, the attacks to play (default all: state_takeover,"
+        " inflated_claims, scaled_delta, sign_flip, noise, nan_inf, bootstrap_grab,"
+        " forged_export); the window is split evenly between them",
+    )  # fmt: skip
     p.add_argument("--fault-every", type=float, default=45.0, help="mean seconds between faults")
     p.add_argument(
         "--outer-every-steps", type=int, default=10, help="inner steps between DiLoCo rounds"
@@ -217,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = ChaosConfig(
             minutes=args.minutes, seed=args.seed, preset=args.preset, hostile=args.hostile,
+            byzantine=args.byzantine,
+            attacks=tuple(a for a in args.attacks.split(",") if a),
             baseline=args.baseline or ("none" if args.hostile else "sequential"),
             fault_every_s=args.fault_every, outer_every_steps=args.outer_every_steps,
             workdir=workdir,
@@ -225,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agora chaos: {exc}", file=sys.stderr)
         return 2
     if args.plan_only:
-        planner = hostile_plan if cfg.hostile else plan
+        planner = hostile_plan if cfg.hostile else byzantine_plan if cfg.byzantine else plan
         for f in planner(cfg.seed, cfg.minutes * 60, cfg):
             print(f"{f.at_s:8.1f}s  {f.kind:<17} pick={f.pick:.3f} hold={f.hold_s:.1f}s")
         return 0
@@ -251,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
             f" heartbeat max {report['heartbeat_max_s']} s, longest gap"
             f" {report['heartbeat_max_gap_s']} s (TTL {report['lease_ttl_s']} s); committed"
             f" per third {report['commits_by_third']}"
+        )
+        return 0 if report["ok"] else 1
+    if cfg.byzantine:
+        print(
+            f"attacks { ({k: v['outcome'] for k, v in report['attacks'].items()}) };"
+            f" attackers rejected {report['attackers_rejected']}; honest replicas identical"
+            f" {report['honest_replicas_identical']} ({report['honest_rounds']})"
         )
         return 0 if report["ok"] else 1
     ok = not report["lost_ranges"] and not report["duplicated_ranges"] and not report["crashed"]

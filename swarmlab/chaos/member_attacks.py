@@ -10,7 +10,12 @@ Run as `python -m swarmlab.chaos.member_attacks --coordinator HOST:PORT --attack
   gets at most `poison_bound(hold)` forwards instead of one per micro-batch;
 - `oversized_forward`: the rogue joins stage 0 and sends the stage-1 victim Forwards of
   far more rows than a micro-batch, under the predictable ids of other senders'
-  micro-batches. Defended when they are refused (a row cap).
+  micro-batches. Defended when they are refused (a row cap);
+- `forged_export` (`agora chaos --byzantine`): the rogue joins `--stage` and serves, over
+  the real `/agora/state/1` server, a forged state of the stage (every weight
+  `FORGED_VALUE`, round `FORGED_ROUND`): the newest round any replica serves, for an
+  `agora export --coordinator` run meanwhile. Defended when that export takes the stage's
+  attested state instead, which the caller checks.
 
 Whether the honest nodes kept training meanwhile is judged by the caller
 (`swarmlab.chaos.hostile`), from the coordinator and the probe.
@@ -35,6 +40,7 @@ from protocol.identity import NodeKey
 from protocol.message import Message
 from protocol.pinning import parse_address
 from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
+from protocol.state import STATE_PROTOCOL
 from swarmlab.chaos.control_wire import write_outcome
 from swarmlab.chaos.rogue import MEMBER_WAIT_S, REQUEST_S, encoded, forward, send
 
@@ -43,6 +49,8 @@ log = logging.getLogger("agora.chaos.member_attacks")
 OVERSIZED_ROWS = 512  # rows of an oversized Forward (a micro-batch has 8)
 GUESSED_IDS = ("1.0.0", "1.1.0", "2.0.0", "2.1.0", "3.0.0", "3.0.8192")  # other senders' ids
 IN_FLIGHT = 8  # micro-batches a stage-0 node may have in flight to one peer at once
+FORGED_ROUND = 2**62  # the round `forged_export` serves
+FORGED_VALUE = 1e3  # every weight of the state `forged_export` serves
 
 
 def poison_bound(hold_s: float, senders: int = 2, ban_base_s: float = 2.0) -> int:
@@ -129,6 +137,41 @@ async def oversized_forward(
     return out
 
 
+async def forged_export(
+    host: str, port: int, run: c.RunInfo, stage: int, hold_s: float
+) -> dict[str, Any]:
+    import torch
+
+    from node.checkpoint import GlobalState
+    from node.export_live import model_config, stage_layout
+    from node.state_server import StateServer
+    from node.worker import TorchWorker
+
+    key = NodeKey.generate()
+    numel = stage_layout(model_config(run), stage, run.n_stages).numel
+    server = StateServer(
+        TorchWorker(), run_id=run.run_id, stage=lambda: stage, params=list, outer=True
+    )
+    server.hold(GlobalState(
+        theta_g=torch.full((numel,), FORGED_VALUE), momentum=torch.zeros(numel),
+        round=FORGED_ROUND,
+    ))  # fmt: skip
+    transport = Libp2pTransport(key, P2PConfig())
+    transport.set_handler(STATE_PROTOCOL, server.handle)
+    async with transport.run(), CoordinatorClient(host, port, key) as client:
+        await client.join(c.JoinRequest(addrs=transport.listen_addrs, stage=stage))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.heartbeat_loop, list)
+            await trio.sleep(hold_s)
+            nursery.cancel_scope.cancel()
+        await _leave(client)
+    return {
+        "peer_id": key.peer_id, "stage": stage, "round": FORGED_ROUND,
+        "chunks_served": server.served_chunks, "defended": None,  # the exporter judges
+        "expect": "an export meanwhile takes the stage's attested state, not this one",
+    }  # fmt: skip
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     address = parse_address(args.coordinator)
     host, port = address.host, address.port
@@ -137,18 +180,28 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         await client.leave()
     if args.attack == "poison_backward":
         return await poison_backward(host, port, run, args.hold)
+    if args.attack == "forged_export":
+        return await forged_export(host, port, run, args.stage, args.hold)
     return await oversized_forward(host, port, run, args.victim, args.hold)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m swarmlab.chaos.member_attacks",
-        description="Play one data-plane attack as a member (for agora chaos --hostile).",
+        description="Play one data-plane attack as a member (for agora chaos --hostile and"
+        " --byzantine).",
     )
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
-    p.add_argument("--attack", required=True, choices=("poison_backward", "oversized_forward"))
+    p.add_argument(
+        "--attack", required=True,
+        choices=("poison_backward", "oversized_forward", "forged_export"),
+    )  # fmt: skip
+    p.add_argument("--stage", type=int, default=0, help="the stage forged_export joins")
     p.add_argument("--victim", default="", help="peer id of a stage-1 node (oversized_forward)")
-    p.add_argument("--hold", type=float, default=10.0, help="seconds poison_backward serves")
+    p.add_argument(
+        "--hold", type=float, default=10.0,
+        help="seconds poison_backward and forged_export serve",
+    )  # fmt: skip
     p.add_argument("--json", required=True, help="write the outcome here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s member_attacks: %(message)s")

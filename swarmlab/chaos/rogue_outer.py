@@ -7,7 +7,8 @@ Attacks (`--attack`):
 - `own_part_only`: as the reducer of its part it aggregates its own contribution alone,
   although it acknowledged the others', and says so in its manifest: every honest member
   whose contribution it acknowledged catches it (`own_entry_finding`);
-- `scaled_delta`, `nan_delta`: it contributes its pseudo-gradient times 100, or with NaNs;
+- `scaled_delta`, `nan_delta`: it contributes its pseudo-gradient times 100, or with NaNs
+  and Infs;
 - `sign_flip`, `noise`: it contributes its pseudo-gradient negated, or random noise of the
   same norm (inside every norm bound);
 - `inflated_claims`: it claims round 2**62 and 10**15 tokens in its gathered metadata;
@@ -74,6 +75,7 @@ def rogue_averager(attack: str) -> Any:
                     tensors[0].mul_(100.0)
                 elif attack == "nan_delta":
                     tensors[0][::7] = float("nan")
+                    tensors[0][3::7] = float("inf")
                 elif attack == "sign_flip":
                     tensors[0].neg_()
                 elif attack == "noise":

@@ -9,6 +9,10 @@ from pathlib import Path
 
 KINDS = ("kill_node", "zombie", "kill_coordinator", "cut_stream", "rogue", "join_mid_round")
 LEASE_TTL_S = 10.0  # the chaos swarm's lease TTL (its run.toml), seconds
+# the attacks of `agora chaos --byzantine` (swarmlab.chaos.byzantine)
+BYZANTINE = ("state_takeover", "inflated_claims", "scaled_delta", "sign_flip", "noise",
+             "nan_inf", "bootstrap_grab", "forged_export")  # fmt: skip
+MIN_SLOT_S = 60.0  # the shortest Byzantine slot: an attacker starts, trains and averages
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -24,6 +28,9 @@ class ChaosConfig:
     stop_timeout_s: float = 120.0  # seconds for the final drain
     baseline: str = "sequential"  # fault-free comparison: sequential | concurrent | none
     hostile: bool = False  # play hostile attacks (swarmlab.chaos.hostile) instead of faults
+    # play Byzantine replicas (swarmlab.chaos.byzantine) instead of faults
+    byzantine: bool = False
+    attacks: tuple[str, ...] = ()  # the Byzantine attacks to play (names; empty = all)
     workdir: Path = Path("chaos-out")  # logs, DBs and per-run files
 
     def __post_init__(self) -> None:
@@ -37,6 +44,22 @@ class ChaosConfig:
             )
         if self.outer_every_steps < 0:
             raise ValueError("outer_every_steps must be >= 0")
+        if self.hostile and self.byzantine:
+            raise ValueError("hostile and byzantine are two different runs: choose one")
+        if self.attacks and not self.byzantine:
+            raise ValueError("attacks name Byzantine attacks: they need byzantine")
+        if self.byzantine:
+            unknown = sorted(set(self.attacks) - set(BYZANTINE))
+            if unknown:
+                raise ValueError(f"unknown Byzantine attacks {unknown}; known: {list(BYZANTINE)}")
+            if self.outer_every_steps == 0:
+                raise ValueError("byzantine attacks the outer loop: outer_every_steps must be > 0")
+            slot = self.minutes * 60 / len(self.attacks or BYZANTINE)
+            if slot < MIN_SLOT_S:
+                raise ValueError(
+                    f"byzantine: {slot:.0f} s per attack is too short for an attacker to start,"
+                    f" train and average (at least {MIN_SLOT_S:.0f} s: raise minutes)"
+                )
 
     @property
     def measures_model(self) -> bool:
