@@ -379,6 +379,12 @@ class GlobalState:
     lineage: tuple[Link, ...] = ()  # its chain, ending with it (protocol.lineage)
 
 
+def flat_copy(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous fp32 CPU copy of `tensors` (call on the torch worker)."""
+    with torch.no_grad():
+        return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
 def resume_state(
     directory: Path, run: Any, stage: int, model: torch.nn.Module
 ) -> GlobalState | None:

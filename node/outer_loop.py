@@ -146,9 +146,14 @@ class OuterLoop:
         if self.rounds is not None:
             self.rounds.request_early_round()
 
-    async def start(self, carry: GlobalState | None = None) -> None:
+    async def start(
+        self, carry: GlobalState | None = None, *, initial: GlobalState | None = None
+    ) -> None:
         """Start the outer process, load the stage's state, announce its DHT. `carry` is
-        the state of the outer process this one replaces (a DHT move)."""
+        the state of the outer process this one replaces (a DHT move). `initial` is the
+        stage's weights as built (round 0): with no carried state or checkpoint, a first
+        replica starts the stage's state from it, keeping what it trained since as
+        progress, so every replica's round 0 is the same state."""
         me = self.peers.me
         root = self.peers.dht_root()
         bootstrap = self.peers.dht_bootstrap()
@@ -169,10 +174,13 @@ class OuterLoop:
                 resume_state, self.checkpoint_dir, self.run_info, self.peers.stage,
                 self.compute.model,
             )  # fmt: skip
+        keep_progress = carry is not None
+        if resume is None and initial is not None:
+            resume, keep_progress = initial, True
         state = await rounds.load_state(
             replicas_exist=self.peers.other_replicas_have_dht(),
             resume=resume,
-            keep_progress=carry is not None,
+            keep_progress=keep_progress,
         )
         self.state = state
         await self._on_state(state, None)

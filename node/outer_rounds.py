@@ -192,7 +192,8 @@ class OuterRounds:
             )  # fmt: skip
         )
         if keep_progress:  # the weights stay as they are: progress on top of theta_g
-            log.info("outer: kept its stage's global state at round %d", resume.round)
+            log.info("outer: set the stage's global state at round %d; the weights keep what"
+                     " was trained since", resume.round)  # fmt: skip
             return False
         await self.worker.run(self._load, params)
         log.info(

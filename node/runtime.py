@@ -23,7 +23,13 @@ from typing import Any
 import trio
 
 from node import metrics
-from node.checkpoint import CheckpointHook, GlobalState, stage_checkpointer, write_tokenizer
+from node.checkpoint import (
+    CheckpointHook,
+    GlobalState,
+    flat_copy,
+    stage_checkpointer,
+    write_tokenizer,
+)
 from node.config import NodeConfig
 from node.coordinator_client import (
     CoordinatorClient,
@@ -81,6 +87,7 @@ class Node:
         self.outer: OuterLoop | None = None  # None when outer_every_steps = 0
         self.state_server: StateServer | None = None
         self.checkpoint: CheckpointHook | None = None  # with --checkpoint-dir
+        self.initial: GlobalState | None = None  # the stage's weights as built, until used
         self.throughput = 0.0  # measured tokens/s of this stage
 
     @property
@@ -161,7 +168,8 @@ class Node:
                         identity=self.client.key.libp2p_private_key(),
                         accuse=self.client.accuse,
                     )  # fmt: skip
-                    await self.outer.start()
+                    initial, self.initial = self.initial, None
+                    await self.outer.start(initial=initial)
                     nursery.start_soon(self.outer.run)
                 nursery.start_soon(peers.follow, self.client, max(1.0, run.heartbeat_interval_s))
                 if self.cfg.deadline is not None:
@@ -193,6 +201,12 @@ class Node:
             build_stage_compute, run, self.stage, self.cfg, self.device
         )
         self.compute = compute
+        if self.cfg.outer_every_steps > 0:
+            # The stage's round 0 is its seeded initial weights, the same bits on every
+            # replica; a stage > 0 trains on forwards from the next line on, before its
+            # outer loop starts.
+            flat = await self.worker.run(flat_copy, list(compute.parameters()))
+            self.initial = GlobalState(theta_g=flat, momentum=None, round=0)
         hop.stage_built(compute)
         self.state_server = StateServer(
             self.worker,

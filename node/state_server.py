@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.checkpoint import GlobalState
+from node.checkpoint import GlobalState, flat_copy
 from node.worker import TorchWorker
 from protocol.codec import DEFAULT_MAX_FRAME
 from protocol.dataplane import Refused
@@ -53,12 +53,6 @@ class HeldState:
     round: int
     version: int
     taken_at: float  # monotonic seconds
-
-
-def _flat_copy(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous fp32 CPU copy of `tensors` (call on the torch worker)."""
-    with torch.no_grad():
-        return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
 
 
 class StateServer:
@@ -96,7 +90,7 @@ class StateServer:
         self._hold(state.theta_g, state.momentum, state.round)
 
     async def _refresh_params(self) -> None:
-        flat = await self.worker.run(_flat_copy, list(self._params()))
+        flat = await self.worker.run(flat_copy, list(self._params()))
         self._hold(flat, None, 0)
 
     async def handle(self, peer_id: str, msg: Message) -> Message:

@@ -17,6 +17,7 @@ import torch
 import trio
 
 from node import metrics
+from node.checkpoint import GlobalState
 from node.events import EventLog, read_events
 from node.lease_pool import LeasePool, RoundFacts, RoundVerdict
 from node.outer import contract as c
@@ -380,3 +381,47 @@ def test_a_replica_joins_a_forming_group_after_a_quarter_of_its_steps(
         worker.close()
     [applied] = read_events(events, "round_applied")
     assert applied["joined_early"] is True
+
+
+def test_a_first_replica_starts_the_stage_from_its_initial_weights_and_keeps_its_progress(
+    scripted: tuple[OuterLink, socket.socket], tmp_path: Path
+) -> None:
+    """A stage > 0 trains on forwards before its outer loop starts: the stage's round 0
+    is still the weights as built (the same bits on every replica), and what the node
+    trained meanwhile stays in its weights as progress on top of it."""
+    link, peer = scripted
+    compute = Compute()
+    initial = torch.arange(NUMEL, dtype=torch.float32)
+    compute.weights.copy_(initial + 0.5)  # trained before the outer loop started
+    worker = TorchWorker()
+    rounds = OuterRounds(
+        worker, compute, link, every_steps=1, snapshot=lambda: None,  # type: ignore[arg-type]
+        on_round=None, sole_replica=lambda: True,  # type: ignore[arg-type]
+    )  # fmt: skip
+    decoder = FrameDecoder(max_frame=c.MAX_CONTROL_FRAME)
+    peer.settimeout(5.0)
+    got: list[object] = []
+
+    def answer() -> None:
+        [cmd] = [c.decode_command(p) for p in decoder.feed(peer.recv(1 << 16))]
+        got.append(cmd)
+        peer.sendall(c.encode(c.StateSet(round=0, digest="d0", lineage=[(0, "d0")])))
+
+    async def main() -> GlobalState:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, answer)
+            with trio.fail_after(10.0):
+                return await rounds.load_state(
+                    False, GlobalState(theta_g=initial, momentum=None, round=0), keep_progress=True
+                )
+
+    try:
+        state = trio.run(main)
+    finally:
+        worker.close()
+    [cmd] = got
+    assert isinstance(cmd, c.SetState) and cmd.round == 0 and not cmd.momentum
+    handed = torch.frombuffer(bytearray((tmp_path / "snap").read_bytes()), dtype=torch.float32)
+    assert torch.equal(handed, initial)  # the outer process got the weights as built
+    assert torch.equal(compute.weights, initial + 0.5)  # the progress stays in the weights
+    assert state.round == 0 and state.digest == "d0" and not rounds.loaded_from_replica
