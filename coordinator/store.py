@@ -186,6 +186,15 @@ def read_meta(path: Path | str) -> dict[str, str]:
         conn.close()
 
 
+def read_peer_states(path: Path | str) -> dict[str, str]:
+    """Each recorded peer's state (live, left, dead, banned), by peer id (read-only)."""
+    conn = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)
+    try:
+        return {str(k): str(v) for k, v in conn.execute("SELECT peer_id, state FROM peers")}
+    finally:
+        conn.close()
+
+
 def read_leases(path: Path | str) -> list[tuple[Any, ...]]:
     """Every lease row (read-only), in lease id order."""
     conn = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)

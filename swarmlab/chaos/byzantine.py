@@ -19,8 +19,8 @@ that stage as its third replica, plays, and is stopped at the slot's end:
   --coordinator` runs.
 
 Each play is judged from the honest nodes' structured events (`node.events`) over its
-slot, the coordinator's `agora_coordinator_accusations_total{outcome="banned"}` and, for
-`forged_export`, the export's summary. Outcomes: `banned` (the coordinator dropped the
+slot, the coordinator's record of the attacker (banned or not) and, for `forged_export`,
+the export's summary. Outcomes: `banned` (the coordinator dropped the
 attacker on its stage's accusations), `rejected` (an honest reducer left its contribution
 out), `ignored` (its claim or offer was not taken: no honest replica reached its forged
 round, moved to its DHT or exported its state), `bounded` (its contribution was averaged
@@ -29,7 +29,8 @@ clipped, not refused), `not_defended` (an honest replica took its state, round, 
 export) or `not_reached` (it never shared a group round with an honest replica). The
 report adds `attacks`, `attackers_rejected` (plays banned, rejected or ignored),
 `honest_replicas_identical`, `honest_rounds` (per stage: group rounds all honest replicas
-applied, and how many held equal digests), `honest_max_round` and `ok`.
+applied, and how many held equal digests), `honest_max_round`, `bans_on_accusations`
+(the coordinator's `agora_coordinator_accusations_total{outcome="banned"}`) and `ok`.
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ import json
 import logging
 import os
 import random
+import re
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from coordinator.store import read_peer_states
 from node.events import read_events
 from protocol.identity import NodeKey
 from swarmlab.chaos.run import Run
@@ -106,7 +110,15 @@ class ByzantineRun(Run):
         self.skipped = {k: 0 for k in ATTACKS}
         self.plays: list[dict[str, Any]] = []
 
-    def _banned(self) -> float:
+    def _banned(self, peer_id: str) -> bool:
+        """Whether the coordinator banned `peer_id` (its database's record, read-only)."""
+        try:
+            return bool(peer_id) and read_peer_states(self.swarm.db).get(peer_id) == "banned"
+        except sqlite3.Error:
+            return False
+
+    def _bans_counted(self) -> float:
+        """The coordinator's count of bans on accusations (its metric)."""
         coord = self.swarm.coordinator
         if coord is None or coord.metrics_port is None:
             return 0.0
@@ -119,7 +131,6 @@ class ByzantineRun(Run):
             name = f"byz{self.serial}-{f.kind}-s{stage}"
             self.killed.add(name)  # an attacker's exit (a ban, our stop) is not a crash
             self.counts[f.kind] += 1
-        banned_before = self._banned()
         started, wall0 = self.now(), time.time()
         self.note("attack", attack=f.kind, stage=stage, node=name)
         if f.kind == "forged_export":
@@ -129,7 +140,7 @@ class ByzantineRun(Run):
         wall1 = time.time()
         play.update(
             attack=f.kind, stage=stage, node=name, started_s=round(started, 1),
-            ended_s=round(self.now(), 1), banned=self._banned() > banned_before,
+            ended_s=round(self.now(), 1), banned=self._banned(play.get("peer_id", "")),
         )  # fmt: skip
         play.update(honest_view(self.workdir, stage, play.get("peer_id", ""), wall0, wall1))
         play["outcome"] = judge(f.kind, play)
@@ -195,6 +206,7 @@ class ByzantineRun(Run):
         }  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
+        bans = self._bans_counted()  # before the drain stops the coordinator
         report = super().finish()
         per_stage = honest_rounds(self.workdir)
         attacks = summarize(self.plays, self.cfg.attacks or ATTACKS)
@@ -210,6 +222,7 @@ class ByzantineRun(Run):
                 s["compared"] > 0 and s["identical"] == s["compared"] for s in per_stage.values()
             ),
             honest_max_round=max((s["max_round"] for s in per_stage.values()), default=0),
+            bans_on_accusations=bans,
         )
         return report
 
@@ -250,7 +263,7 @@ def honest_view(workdir: Path, stage: int, peer: str, t0: float, t1: float) -> d
                     full_rounds += 1
                 why = (ev.get("rejected") or {}).get(peer)
                 if why:
-                    reason = str(why).split(":")[0].split(" (")[0][:40]
+                    reason = reason_kind(str(why))
                     rejected[reason] = rejected.get(reason, 0) + 1
             elif ev["event"] == "accused" and ev["peer"] == peer:
                 accused += 1
@@ -261,6 +274,14 @@ def honest_view(workdir: Path, stage: int, peer: str, t0: float, t1: float) -> d
         "honest_group_rounds": group_rounds, "rounds_with_attacker": full_rounds,
         "honest_max_round": max_round, "honest_moves_to_attacker": moved_to,
     }  # fmt: skip
+
+
+def reason_kind(why: str) -> str:
+    """What kind of rejection a reason is, without its numbers and parts: "part 0: norm
+    171 above ...; part 1: ..." -> "norm"; "part 2: pair: cosine -0.3 below ..." ->
+    "pair: cosine"."""
+    first = re.sub(r"^part \d+: ", "", why.split("; ")[0])
+    return re.split(r"\s[-\d.]", first, maxsplit=1)[0][:40]
 
 
 def honest_rounds(workdir: Path) -> dict[str, dict[str, int]]:
