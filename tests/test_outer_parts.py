@@ -18,6 +18,7 @@ from node.outer.parts import (
     decode_manifest,
     group_claims,
     group_ref_norm,
+    group_target,
     own_entry_finding,
 )
 from protocol.codec import packb
@@ -91,13 +92,15 @@ def test_arbitrary_manifests_decode_to_valid_entries_or_raise(obj: list[list[obj
 
 def test_gathered_metadata_is_checked() -> None:
     good = {
-        "round": 3, "digest": "ab", "base_round": 2, "tokens": 10, "ref_norm": 1,
+        "round": 3, "digest": "ab", "base_round": 2, "tokens": 10, "target": 40, "ref_norm": 1,
         "addrs": ["/ip4/10.0.0.2/tcp/4001"],
     }  # fmt: skip
     assert checked_gathered(good) == {**good, "ref_norm": 1.0}
     for bad in (
         {**good, "tokens": -1},
         {**good, "tokens": 1.5},
+        {**good, "target": -1},
+        {**good, "target": 2**70},
         {**good, "ref_norm": float("inf")},
         {**good, "digest": "x" * 100},
         {**good, "extra": 1},
@@ -111,6 +114,15 @@ def test_gathered_metadata_is_checked() -> None:
     ):
         assert checked_gathered(bad) == NO_METADATA
     assert group_ref_norm([{"ref_norm": x} for x in (1.0, 1e9, 2.0, 3.0)]) == 2.0
+
+
+def test_a_group_steps_with_one_target_whatever_each_member_sees() -> None:
+    # two replicas that count the stage's replicas differently around a join agree
+    assert group_target([{"target": 3000}, {"target": 2000}], own=3000) == 2000
+    assert group_target([{"target": 2000}, {"target": 3000}], own=2000) == 2000
+    # a minority cannot raise it (which would shrink the step); zero claims do not count
+    assert group_target([{"target": 2000}, {"target": 2000}, {"target": 10**15}], own=1) == 2000
+    assert group_target([{"target": 0}, {"target": 0}], own=777) == 777
 
 
 def test_the_audit_draw_never_audits_the_auditors_own_part() -> None:

@@ -76,10 +76,11 @@ def test_group_round_gives_identical_state_and_a_joiner_downloads_it(
     b.load_into(got)
     assert all(torch.equal(x, y) for x, y in zip(got, theta0, strict=True))
 
-    # each replica trained a little; B saw three times the tokens of A
+    # each replica trained a little; B saw three times the tokens of A, and counts the
+    # stage's replicas differently (a join it saw first): the group steps with one target
     wa, wb = trained(theta0, 1), trained(theta0, 2)
     a.begin_round(wa, 100)
-    b.begin_round(wb, 300)
+    b.begin_round(wb, 300, target_tokens=600)
     ra, rb = a.wait_result(30), b.wait_result(30)
     assert (ra.group_size, rb.group_size) == (2, 2), (ra, rb)
     assert ra.round == rb.round == 1 and ra.applied and rb.applied

@@ -30,7 +30,8 @@ MAX_DIGEST = 64  # characters in a hex digest
 # the gathered metadata of a member whose own is malformed: it contributes nothing and is
 # never the group's canonical state (round -1)
 NO_METADATA: dict[str, Any] = {
-    "round": -1, "digest": "", "base_round": -1, "tokens": 0, "ref_norm": 0.0, "addrs": [],
+    "round": -1, "digest": "", "base_round": -1, "tokens": 0, "target": 0, "ref_norm": 0.0,
+    "addrs": [],
 }  # fmt: skip
 MAX_ADDRS = 16  # addresses a member announces in its gathered metadata
 MAX_ADDR = 256  # characters in one of them
@@ -114,14 +115,15 @@ def digest(compression: int, dtype: str, size: Sequence[int], buffer: bytes) -> 
 
 
 def checked_gathered(raw: Any) -> dict[str, Any]:
-    """One member's gathered metadata (round, digest, base_round, tokens, ref_norm, and
-    the multiaddrs its outer process listens on, without `/p2p/`), or `NO_METADATA` when
-    it is malformed."""
+    """One member's gathered metadata (round, digest, base_round, tokens, the
+    participation rule's target tokens as it sees the stage, ref_norm, and the multiaddrs
+    its outer process listens on, without `/p2p/`), or `NO_METADATA` when it is
+    malformed."""
     if type(raw) is not dict or set(raw) != set(NO_METADATA):
         return dict(NO_METADATA)
-    for key in ("round", "base_round", "tokens"):
+    for key in ("round", "base_round", "tokens", "target"):
         v = raw[key]
-        if type(v) is not int or not (-1 if key != "tokens" else 0) <= v <= MAX_COUNT:
+        if type(v) is not int or not (0 if key in ("tokens", "target") else -1) <= v <= MAX_COUNT:
             return dict(NO_METADATA)
     norm = raw["ref_norm"]
     if type(norm) is int:
@@ -150,6 +152,18 @@ def group_ref_norm(gathered: Sequence[dict[str, Any]]) -> float:
     members' ref_norm (a minority cannot move it past an honest member's)."""
     norms = sorted(float(g["ref_norm"]) for g in gathered)
     return norms[(len(norms) - 1) // 2] if norms else 0.0
+
+
+def group_target(gathered: Sequence[dict[str, Any]], own: int) -> int:
+    """The participation rule's target (tokens) the whole group steps with: the lower
+    median of the members' positive targets, `own` when none claims one. Each member
+    derives its target from its own view of the stage's replicas, and views differ for a
+    heartbeat or two around a join or a leave; two members stepping one group round with
+    different targets end with different states (the same round, two digests). A
+    minority cannot raise it past an honest member's (the step cannot be shrunk), and
+    lowering it only reaches the full outer learning rate."""
+    positive = sorted(t for g in gathered if (t := int(g["target"])) > 0)
+    return positive[(len(positive) - 1) // 2] if positive else own
 
 
 def group_claims(

@@ -56,7 +56,7 @@ from node.outer.contract import (
     encode,
 )
 from node.outer.contract_fields import MAX_ADDR, MAX_PEERS, MAX_TEXT
-from node.outer.parts import MAX_ADDRS
+from node.outer.parts import MAX_ADDRS, group_target
 from node.outer.state_download import state_digest
 from node.outer.wire import compression
 from protocol.errors import ProtocolError
@@ -342,6 +342,7 @@ class OuterProcess:
             "digest": self.digest,
             "base_round": base.round,
             "tokens": tokens,
+            "target": max(0, int(self.cfg.diloco.target_tokens)),
             "ref_norm": ref_norm,
             "addrs": self.listen_addrs,  # groupmates dial these (the daemon may not route)
         }
@@ -468,11 +469,9 @@ class OuterProcess:
         assert st is not None
         tokens = int(info["tokens"])
         size = len(info["contributors"])
+        target = group_target(list(info["gathered"].values()), self.cfg.diloco.target_tokens)
         eta_r = participation_lr(
-            self.cfg.diloco.eta,
-            tokens,
-            self.cfg.diloco.target_tokens,
-            self.cfg.diloco.participation_power,
+            self.cfg.diloco.eta, tokens, target, self.cfg.diloco.participation_power
         )
         if (st.round, self.digest) == head:
             new = OuterState(theta_g=st.theta_g.clone(), m=st.m.clone(), round=st.round + 1)
