@@ -101,14 +101,16 @@ def test_judgement_reads_rejections_bans_and_forged_rounds(tmp_path: Path) -> No
     why = "part 0: norm 171 above max_rel_norm * ||theta_g|| = 16; part 1: norm 165 above"
     _events(tmp_path, "a0", [_round(5, "x", 3, {rogue: why})])
     _events(tmp_path, "b0", [_round(5, "x", 3), ("accused", {"peer": rogue, "round": 5,
-                                                             "reason": "norm"})])  # fmt: skip
+                                                             "reason": "norm"}),
+                             _round(6, "y", 3, {rogue: "part 0: no tokens; part 1: no tokens"})])  # fmt: skip
     for n in ("a1", "b1"):
         _events(tmp_path, n, [])
     view = honest_view(tmp_path, 0, rogue, 0.0, 4e9)
-    assert view["honest_rejections"] == {"norm": 1}
+    assert view["honest_rejections"] == {"norm": 1}  # an empty contribution is no defence
+    assert view["honest_left_out"] == {"no tokens": 1}
     assert reason_kind("part 2: pair: cosine -0.31 below 4 / sqrt(n) = 0.02") == "pair: cosine"
     assert reason_kind("non-finite values") == "non-finite values"
-    assert view["honest_accusations"] == 1 and view["rounds_with_attacker"] == 2
+    assert view["honest_accusations"] == 1 and view["rounds_with_attacker"] == 3
     play = {**view, "banned": False}
     assert judge("scaled_delta", play) == "rejected"
     assert judge("scaled_delta", {**play, "banned": True}) == "banned"

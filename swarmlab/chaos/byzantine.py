@@ -74,6 +74,9 @@ SLOT_GAP_S = 5.0  # seconds between one attacker's stop and the next one's start
 EXPORT_AFTER_S = 15.0  # seconds `forged_export` serves before the export starts
 EXPORT_TIMEOUT_S = 180.0  # seconds the export may take
 BANNED = 'agora_coordinator_accusations_total{outcome="banned"}'
+# reasons an honest contribution is left out too (it trained nothing yet, or on an old
+# state): not a defence, so not counted as one
+BENIGN = ("no tokens", "staleness")
 
 
 def byzantine_plan(seed: int, window_s: float, cfg: ChaosConfig) -> list[Fault]:
@@ -243,7 +246,8 @@ def honest_events(workdir: Path) -> dict[str, list[dict[str, Any]]]:
 def honest_view(workdir: Path, stage: int, peer: str, t0: float, t1: float) -> dict[str, Any]:
     """What the honest replicas of `stage` did about `peer` between unix times t0 and t1
     (plus the round that was under way at t1)."""
-    rejected: dict[str, int] = {}
+    rejected: dict[str, int] = {}  # kinds of rejection that defend (see BENIGN)
+    left_out: dict[str, int] = {}
     accused = 0
     group_rounds = full_rounds = 0
     max_round = 0
@@ -264,13 +268,15 @@ def honest_view(workdir: Path, stage: int, peer: str, t0: float, t1: float) -> d
                 why = (ev.get("rejected") or {}).get(peer)
                 if why:
                     reason = reason_kind(str(why))
-                    rejected[reason] = rejected.get(reason, 0) + 1
+                    into = left_out if reason in BENIGN else rejected
+                    into[reason] = into.get(reason, 0) + 1
             elif ev["event"] == "accused" and ev["peer"] == peer:
                 accused += 1
             elif ev["event"] == "dht_move" and peer and ev.get("root") == peer:
                 moved_to += 1
     return {
-        "honest_rejections": rejected, "honest_accusations": accused,
+        "honest_rejections": rejected, "honest_left_out": left_out,
+        "honest_accusations": accused,
         "honest_group_rounds": group_rounds, "rounds_with_attacker": full_rounds,
         "honest_max_round": max_round, "honest_moves_to_attacker": moved_to,
     }  # fmt: skip
