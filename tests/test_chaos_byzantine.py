@@ -110,7 +110,7 @@ def test_judgement_reads_rejections_bans_and_forged_rounds(tmp_path: Path) -> No
     assert view["honest_left_out"] == {"no tokens": 1}
     assert reason_kind("part 2: pair: cosine -0.31 below 4 / sqrt(n) = 0.02") == "pair: cosine"
     assert reason_kind("non-finite values") == "non-finite values"
-    assert view["honest_accusations"] == 1 and view["rounds_with_attacker"] == 3
+    assert view["honest_accusations"] == 1 and view["rounds_with_attacker"] == 2  # 5 and 6
     play = {**view, "banned": False}
     assert judge("scaled_delta", play) == "rejected"
     assert judge("scaled_delta", {**play, "banned": True}) == "banned"
@@ -128,7 +128,7 @@ def test_judgement_reads_rejections_bans_and_forged_rounds(tmp_path: Path) -> No
 def test_short_byzantine_run(tmp_path: Path) -> None:
     out = tmp_path / "byzantine.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "swarmlab.cli", "chaos", "--byzantine", "--minutes", "2",
+        [sys.executable, "-m", "swarmlab.cli", "chaos", "--byzantine", "--minutes", "2.5",
          "--seed", "1", "--attacks", "scaled_delta,forged_export", "--baseline", "none",
          "--json", str(out), "--workdir", str(tmp_path / "run")],
         env=child_env(), capture_output=True, text=True, timeout=1400, cwd=REPO,

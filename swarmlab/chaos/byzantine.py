@@ -249,7 +249,8 @@ def honest_view(workdir: Path, stage: int, peer: str, t0: float, t1: float) -> d
     rejected: dict[str, int] = {}  # kinds of rejection that defend (see BENIGN)
     left_out: dict[str, int] = {}
     accused = 0
-    group_rounds = full_rounds = 0
+    group_rounds: set[int] = set()  # round numbers
+    full_rounds: set[int] = set()
     max_round = 0
     moved_to = 0
     for name, events in honest_events(workdir).items():
@@ -262,9 +263,9 @@ def honest_view(workdir: Path, stage: int, peer: str, t0: float, t1: float) -> d
             if ev["event"] == "round_applied":
                 max_round = max(max_round, int(ev["round"]))
                 if int(ev["group_size"]) >= 2:
-                    group_rounds += 1
+                    group_rounds.add(int(ev["round"]))
                 if int(ev["group_size"]) >= 3:  # two honest replicas and the attacker
-                    full_rounds += 1
+                    full_rounds.add(int(ev["round"]))
                 why = (ev.get("rejected") or {}).get(peer)
                 if why:
                     reason = reason_kind(str(why))
@@ -277,7 +278,7 @@ def honest_view(workdir: Path, stage: int, peer: str, t0: float, t1: float) -> d
     return {
         "honest_rejections": rejected, "honest_left_out": left_out,
         "honest_accusations": accused,
-        "honest_group_rounds": group_rounds, "rounds_with_attacker": full_rounds,
+        "honest_group_rounds": len(group_rounds), "rounds_with_attacker": len(full_rounds),
         "honest_max_round": max_round, "honest_moves_to_attacker": moved_to,
     }  # fmt: skip
 
