@@ -3,11 +3,13 @@ run against real processes.
 
 The short run plays two attacks in a 2 stages x 2 honest replicas swarm (tiny preset,
 outer rounds every 10 inner steps), each from a third replica that joins one stage for
-its slot: `scaled_delta` (a real node whose outer process contributes its
-pseudo-gradient x100) and `forged_export` (a member serving a forged state of round
-2**62 while `agora export --coordinator` runs). It asserts what the honest side did:
-the honest reducers left the scaled contributions out (or the coordinator banned the
-attacker), the export took the attested state, the honest replicas of each stage ended
+its slot: `nan_inf` (a real node whose outer process contributes its pseudo-gradient
+with NaNs and Infs: refused from its first group round on, where a x100 contribution
+built on a few steps may still fit the bounds) and `forged_export` (a member serving a
+forged state of round 2**62 while `agora export --coordinator` runs). It asserts what
+the honest side did: the honest reducers left the poisoned contributions out (or the
+coordinator banned the attacker), the export took the attested state, the honest
+replicas of each stage ended
 every shared group round bitwise identical, and the audit found nothing lost or
 duplicated. The fault-free comparison of held-out loss belongs to the long run
 (docs/reliability.md); this test does not time anything.
@@ -129,7 +131,7 @@ def test_short_byzantine_run(tmp_path: Path) -> None:
     out = tmp_path / "byzantine.json"
     proc = subprocess.run(
         [sys.executable, "-m", "swarmlab.cli", "chaos", "--byzantine", "--minutes", "2.5",
-         "--seed", "1", "--attacks", "scaled_delta,forged_export", "--baseline", "none",
+         "--seed", "1", "--attacks", "nan_inf,forged_export", "--baseline", "none",
          "--json", str(out), "--workdir", str(tmp_path / "run")],
         env=child_env(), capture_output=True, text=True, timeout=1400, cwd=REPO,
     )  # fmt: skip
@@ -137,8 +139,8 @@ def test_short_byzantine_run(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     attacks = report["attacks"]
     detail = json.dumps(attacks, indent=1)[:4000]
-    assert attacks["scaled_delta"]["count"] == 1 and attacks["forged_export"]["count"] == 1
-    assert attacks["scaled_delta"]["outcome"] in ("rejected", "banned"), detail
+    assert attacks["nan_inf"]["count"] == 1 and attacks["forged_export"]["count"] == 1
+    assert attacks["nan_inf"]["outcome"] in ("rejected", "banned"), detail
     assert attacks["forged_export"]["outcome"] == "ignored", detail
     assert report["attackers_rejected"] == 2
     assert report["honest_replicas_identical"], report["honest_rounds"]
