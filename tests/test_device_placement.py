@@ -13,11 +13,11 @@ import pytest
 import torch
 from device_guard import STAGE_DEVICE, DeviceGuard, DeviceMix, virtual_device
 
+from node.checkpoint import flat_copy
 from node.compression import BoundaryCodec, over_the_wire
 from node.diloco import merge_local_progress
 from node.model import preset, save_export
 from node.stage_compute import InnerConfig, StageCompute, throughput_probe
-from node.state_server import _flat_copy
 
 SEQ = 16
 ROWS = 2
@@ -94,7 +94,7 @@ def stage_path(codec: str, device: str, out: Path) -> None:
     theta_g, progressed = before * 0.5, _flat(s0)
     merge_local_progress(s0.parameters(), before, theta_g)
     s0.weights_changed()
-    after = _flat_copy(s0.parameters())  # the state server's and checkpoint's copy
+    after = flat_copy(s0.parameters())  # the state server's and checkpoint's copy
     assert virtual_device(after) in ("cpu", None) and after.device.type == "cpu"
     torch.testing.assert_close(after, theta_g + (progressed - before))
     save_export(s0.model, s0.model.config, out / "export")
