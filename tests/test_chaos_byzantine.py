@@ -119,10 +119,12 @@ def test_judgement_reads_rejections_bans_and_forged_rounds(tmp_path: Path) -> No
     assert judge("sign_flip", {**play, "honest_rejections": {}}) == "bounded"
     assert judge("state_takeover", {**play, "honest_max_round": FORGED_ROUND}) == "not_defended"
     export = {**play, "peer_id": rogue, "export_exit": 0, "export_rounds": {0: 5, 1: 5},
-              "export_sources": {0: "12D3KooWhonest", 1: "12D3KooWother"}}  # fmt: skip
+              "export_sources": {0: "12D3KooWhonest", 1: "12D3KooWother"},
+              "attacker": {"chunks_served": 1}}  # fmt: skip
     assert judge("forged_export", export) == "ignored"
     assert judge("forged_export", {**export, "export_sources": {0: rogue}}) == "not_defended"
     assert judge("forged_export", {**export, "export_exit": 1}) == "not_reached"
+    assert judge("forged_export", {**export, "attacker": {}}) == "not_reached"
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ FORGED_ROUND = 2**62  # the round the forging attackers claim and serve
 TAKEN_OVER = 2**61  # an honest round past this came from a forged claim
 GRIND_KEYS = 2000  # keys `bootstrap_grab` draws to find the smallest peer id
 SLOT_GAP_S = 5.0  # seconds between one attacker's stop and the next one's start
-EXPORT_AFTER_S = 15.0  # seconds `forged_export` serves before the export starts
+EXPORT_AFTER_S = 3.0  # seconds the forger serves as a member before the export starts
 EXPORT_TIMEOUT_S = 180.0  # seconds the export may take
 BANNED = 'agora_coordinator_accusations_total{outcome="banned"}'
 # reasons an honest contribution is left out too (it trained nothing yet, or on an old
@@ -108,7 +108,7 @@ class ByzantineRun(Run):
 
     def __init__(self, cfg: ChaosConfig, name: str, faults: list[Fault]) -> None:
         super().__init__(cfg, name, faults)
-        self.swarm.metrics = True  # bans are read from the coordinator's metrics
+        self.swarm.metrics = True  # the run's count of bans (bans_on_accusations)
         self.counts = {k: 0 for k in ATTACKS}
         self.skipped = {k: 0 for k in ATTACKS}
         self.plays: list[dict[str, Any]] = []
@@ -178,8 +178,14 @@ class ByzantineRun(Run):
         args = ["-m", "swarmlab.chaos.member_attacks", "--coordinator", self.swarm.address,
                 "--attack", "forged_export", "--stage", str(stage), "--hold", str(hold_s),
                 "--json", str(result)]  # fmt: skip
+        peers_before = self._stage_peers(stage)
         popen = spawn(self.workdir / f"{name}.log", args, cwd=REPO)
-        time.sleep(min(EXPORT_AFTER_S, hold_s / 3))
+        # the export starts once the forger is a member (so the exporter sees it), at most
+        # half the hold later
+        deadline = time.monotonic() + hold_s / 2
+        while self._stage_peers(stage) <= peers_before and time.monotonic() < deadline:
+            time.sleep(1.0)
+        time.sleep(EXPORT_AFTER_S)
         summary = self.workdir / f"{name}-export.json"
         try:
             export = subprocess.run(
@@ -207,6 +213,15 @@ class ByzantineRun(Run):
             "export_exit": export_exit, "export_rounds": rounds, "export_sources": sources,
             "export_tail": "" if export_exit == 0 else export_tail,
         }  # fmt: skip
+
+    def _stage_peers(self, stage: int) -> int:
+        """The coordinator's count of live peers on `stage` (-1 when it does not answer)."""
+        try:
+            return next(
+                st.peers for st in self.swarm.status(timeout_s=3).stages if st.stage == stage
+            )
+        except Exception:  # the coordinator may be busy: the caller polls again
+            return -1
 
     def finish(self) -> dict[str, Any]:
         bans = self._bans_counted()  # before the drain stops the coordinator
@@ -320,8 +335,8 @@ def judge(kind: str, play: dict[str, Any]) -> str:
     if play["honest_max_round"] >= TAKEN_OVER or play["honest_moves_to_attacker"]:
         return "not_defended"
     if kind == "forged_export":
-        if play["export_exit"] != 0:
-            return "not_reached"
+        if play["export_exit"] != 0 or not play["attacker"].get("chunks_served"):
+            return "not_reached"  # no export, or the exporter never asked the forger
         forged = any(r >= TAKEN_OVER for r in play["export_rounds"].values()) or (
             play["peer_id"] in play["export_sources"].values()
         )
