@@ -7,9 +7,11 @@ micro-batch and precision (bf16 autocast where the GPU has it, fp32 weights and 
    `--seconds` after a warm-up: tokens/s, model FLOPs utilisation and peak device memory
    (`torch.cuda.max_memory_allocated`).
 2. **swarm**: a coordinator and a 2-stage pipeline of two `agora-node` processes sharing
-   the device (one stage each, boundary codec fp16, no outer loop, so the number is the
-   pipeline's): tokens/s from stage 0's `agora_node_tokens_total` over `--seconds` after
-   both trained, and each node's peak device memory (`agora_node_device_peak_bytes`).
+   the device (one stage each, boundary codec `--codec`, fp16 by default, no outer loop,
+   so the number is the pipeline's): tokens/s from stage 0's `agora_node_tokens_total`
+   over `--seconds` after both trained, the boundary bytes per token both ways
+   (`agora_node_boundary_bytes_total`), and each node's peak device memory
+   (`agora_node_device_peak_bytes`).
 
 MFU is 6 x parameters x tokens/s over the device's peak dense bf16 FLOP/s (`--peak-tflops`,
 or a table of known GPUs); attention's own FLOPs are left out, so it is a lower bound.
@@ -34,6 +36,7 @@ from node.data import RandomBatches, load_dataset
 from node.inner_step import inner_step
 from node.model import PRESETS, build_model, param_groups, preset
 from node.stage_compute import resolve_precision
+from protocol.tensors import CODECS
 from swarmlab.procs import wait_for
 from swarmlab.swarm import LocalSwarm
 
@@ -42,6 +45,7 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10"
                "RTX 4090": 165.0, "RTX 4080": 97.0, "RTX 3090": 71.0, "RTX 3080": 60.0}  # fmt: skip
 TOKENS = "agora_node_tokens_total"
 DEVICE_PEAK = "agora_node_device_peak_bytes"
+BOUNDARY_BYTES = "agora_node_boundary_bytes_total"
 
 
 def peak_tflops(device: torch.device, given: float | None) -> float | None:
@@ -93,7 +97,7 @@ def measure_central(args: argparse.Namespace, device: torch.device) -> dict[str,
 
 def measure_swarm(args: argparse.Namespace, device: torch.device, workdir: Path) -> dict[str, Any]:
     """A 2-stage pipeline of two nodes on `device`: stage 0's tokens/s, peak memory."""
-    sw = LocalSwarm(workdir, preset=args.preset, stages=2, codec="fp16")
+    sw = LocalSwarm(workdir, preset=args.preset, stages=2, codec=args.codec)
     node_cfg = sw.write_node_config(
         micro_batch=args.micro_batch, seq_len=args.seq_len, device=str(device),
         precision=args.precision, outer_every_steps=0,
@@ -106,16 +110,28 @@ def measure_swarm(args: argparse.Namespace, device: torch.device, workdir: Path)
         def tokens(name: str) -> float:
             return sw.scrape(name).get(TOKENS, 0.0)
 
-        wait_for(lambda: tokens("s0") > 0 and tokens("s1") > 0, "both stages training",
-                 args.start_timeout, poll_s=1.0, detail=sw.tails)  # fmt: skip
-        t0, n0 = time.monotonic(), tokens("s0")
+        def boundary_bytes() -> float:  # stage 0's boundary on the wire, both directions
+            m = sw.scrape("s0")
+            return sum(
+                v for k, v in m.items() if k.startswith(BOUNDARY_BYTES) and 'kind="wire"' in k
+            )
+
+        def training() -> bool:
+            if dead := [n for n in ("s0", "s1") if not sw.nodes[n].alive()]:
+                raise RuntimeError(f"agora bench gpu: {dead} exited before training\n{sw.tails()}")
+            return tokens("s0") > 0 and tokens("s1") > 0
+
+        wait_for(training, "both stages training", args.start_timeout, poll_s=1.0,
+                 detail=sw.tails)  # fmt: skip
+        t0, n0, b0 = time.monotonic(), tokens("s0"), boundary_bytes()
         time.sleep(args.seconds)  # the measured window: the pipeline trains meanwhile
-        t1, n1 = time.monotonic(), tokens("s0")
+        t1, n1, b1 = time.monotonic(), tokens("s0"), boundary_bytes()
         peaks = {name: sw.scrape(name).get(DEVICE_PEAK) for name in ("s0", "s1")}
     finally:
         codes = sw.stop()
     return {"tokens_per_s": round((n1 - n0) / (t1 - t0), 1), "seconds": round(t1 - t0, 2),
-            "peak_memory_bytes": peaks, "exit_codes": codes}  # fmt: skip
+            "codec": args.codec, "peak_memory_bytes": peaks, "exit_codes": codes,
+            "boundary_bytes_per_token": round((b1 - b0) / max(n1 - n0, 1.0), 1)}  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="llama-125m", choices=sorted(PRESETS),
                    help="model preset (default llama-125m)")  # fmt: skip
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--codec", default="fp16", choices=CODECS,
+                   help="the swarm's boundary codec (default fp16: the pipeline's own cost)")  # fmt: skip
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     p.add_argument("--seconds", type=float, default=60.0, help="each measured window (s)")
@@ -154,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     swarm = measure_swarm(args, device, workdir)
     swarm["mfu"] = mfu(central["n_params"], swarm["tokens_per_s"], tflops)
     print(f"swarm (2 stages, 2 nodes on one device): {swarm['tokens_per_s']:.0f} tokens/s,"
-          f" MFU {swarm['mfu']}, peak memory per node {swarm['peak_memory_bytes']}")  # fmt: skip
+          f" MFU {swarm['mfu']}, {swarm['boundary_bytes_per_token']} boundary B/token ({args.codec}),"
+          f" peak memory per node {swarm['peak_memory_bytes']}")  # fmt: skip
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "preset": args.preset, "micro_batch": args.micro_batch, "seq_len": args.seq_len,

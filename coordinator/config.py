@@ -29,6 +29,7 @@ from typing import Any
 
 from protocol.control import MAX_PEER_INFO_BYTES, MAX_PEERS_PER_PAGE
 from protocol.model_config import check_split, preset
+from protocol.tensors import CODECS
 
 AUTH_MODES = ("open", "token", "allowlist")
 
@@ -160,9 +161,16 @@ class CoordinatorConfig:
             f" {self.n_stages}",
         )
         try:
-            n_layers = preset(self.model_preset).n_layers
+            model = preset(self.model_preset)
         except ValueError as exc:
             raise ValueError(f"invalid coordinator config: model_preset: {exc}") from None
+        n_layers = model.n_layers
+        need(self.codec in CODECS, f"codec must be one of {CODECS}, got {self.codec!r}")
+        need(
+            not self.codec.startswith("subspace") or model.subspace_rank > 0,
+            f"codec {self.codec!r} needs a preset with a residual subspace (subspace_rank >"
+            f" 0); preset {self.model_preset!r} has none: use fp16 or int8",
+        )
         need(
             self.n_stages <= n_layers,
             f"n_stages ({self.n_stages}) must be at most the {n_layers} layers of preset"

@@ -28,6 +28,7 @@ def test_the_smoke_run_on_the_cpu_measures_both_and_reports_them(tmp_path: Path)
     result = json.loads(out.read_text())
     assert result["central"]["tokens_per_s"] > 0 and result["central"]["steps"] >= 1
     assert result["swarm"]["tokens_per_s"] > 0
+    assert result["swarm"]["boundary_bytes_per_token"] > 0 and result["swarm"]["codec"] == "fp16"
     assert result["swarm"]["exit_codes"] == {"s0": 0, "s1": 0, "coordinator": 0}
     assert result["swarm_over_central"] > 0
     assert result["central"]["mfu"] is None  # no peak FLOP/s known for a CPU

@@ -49,7 +49,7 @@ async def _refusal(client: CoordinatorClient, req: c.JoinRequest) -> Coordinator
 def test_a_real_coordinator_places_by_memory_and_refuses_what_fits_nowhere(
     tmp_path: Path,
 ) -> None:
-    cfg = write_config(tmp_path, model_preset=PRESET, n_stages=2, stage_layers=SPLIT)
+    cfg = write_config(tmp_path, model_preset=PRESET, codec="fp16", n_stages=2, stage_layers=SPLIT)
     coord = start_coordinator(tmp_path, config=cfg, db=tmp_path / "c.sqlite")
     probe = _report(1)
     needs = _needs(probe)
@@ -148,6 +148,8 @@ def test_memory_fit_is_any_stage_for_a_node_that_reports_nothing() -> None:
         ({"model_preset": "tiny", "n_stages": 1}, "one stage is `agora baseline`"),
         ({"model_preset": "tiny", "stage_layers": [1, 2]}, r"stage_layers=\[1, 2\] must give"),
         ({"model_preset": "tiny", "stage_layers": [1, "3"]}, "a list of layer counts"),
+        ({"model_preset": "llama-125m"}, "'subspace_int4' needs a preset with a residual subspace"),
+        ({"model_preset": "tiny", "codec": "zstd"}, "codec must be one of"),
     ],
 )
 def test_the_run_config_checks_the_preset_and_the_split(
@@ -157,3 +159,4 @@ def test_the_run_config_checks_the_preset_and_the_split(
         load_config(write_config(tmp_path, **extra), {})
     ok = load_config(write_config(tmp_path, model_preset="tiny", stage_layers=[1, 3]), {})
     assert ok.stage_layers == [1, 3]
+    assert load_config(write_config(tmp_path, model_preset="llama-125m", codec="fp16"), {})
