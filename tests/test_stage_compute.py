@@ -3,6 +3,8 @@ oversized blocks evict (and are recomputed at backward) instead of filling memor
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -27,6 +29,22 @@ def test_the_cache_holds_a_token_budget_and_an_evicted_entry_is_recomputed() -> 
     grad, _ = s1.forward("m0", small[0], hidden[0])  # type: ignore[misc]
     assert s0.backward("m0", small[0], None, grad) is None  # stage 0 returns no gradient
     assert s0.recomputes == 1
+
+
+def test_a_recompute_lets_the_stale_graph_go_before_it_builds_a_new_one() -> None:
+    """The micro-batch's old activations are freed before its recompute runs: a stage
+    holds at most its in-flight micro-batches' activations, never one more."""
+    s0, s1 = _pair()
+    rows = np.random.default_rng(1).integers(0, 256, size=(2, SEQ + 1), dtype=np.uint8)
+    hidden = s0.forward("m", rows, None)
+    stale = weakref.ref(s0._cache["m"][1])  # the forward's output: its graph's root
+    s0.weights_changed()  # an inner step ran while the micro-batch was downstream
+    seen: list[bool] = []
+    hook = s0.model.register_forward_pre_hook(lambda *_: seen.append(stale() is None))
+    grad, _ = s1.forward("m", rows, hidden)  # type: ignore[misc]
+    s0.backward("m", rows, None, grad)
+    hook.remove()
+    assert s0.recomputes == 1 and seen == [True]
 
 
 def _pair(**kw: object) -> tuple[StageCompute, StageCompute]:
