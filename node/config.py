@@ -74,9 +74,13 @@ class NodeConfig:
     outer_announce: list[str] = dataclasses.field(default_factory=list)
     outer_matchmaking_s: float = 6.0  # seconds to gather replicas for a round
     outer_timeout_s: float = 20.0  # seconds an outer round may take once a group formed
-    # seconds a joiner waits for a replica's state; on timeout it starts from the seeded
-    # init and rebases onto the stage's newest state at its first round
+    # seconds a joiner waits for a replica's state to start coming, plus the state's bytes
+    # at outer_state_min_rate_mb_s; on timeout it starts from the seeded init and rebases
+    # onto the stage's newest state at its first round
     outer_state_timeout_s: float = 10.0
+    # the slowest state download waited for (MB/s): a stage's state (theta_g and m, fp32,
+    # 8 bytes a parameter) of 600 MB (llama-125m) gets 300 s more at 2 MB/s
+    outer_state_min_rate_mb_s: float = 2.0
     # eta and mu of the outer Nesterov step, from `agora bench outer-sweep` at our short
     # rounds (H = 10-25 inner steps): DiLoCo's mu = 0.9 costs 6-32 % of eval loss there,
     # 0.7 / 0.5 was best at H = 25 (docs/outer-loop.md).
@@ -133,6 +137,10 @@ class NodeConfig:
             raise ValueError(f"outer_every_steps must be >= 0, got {self.outer_every_steps}")
         if self.request_timeout_s <= 0 or self.drain_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if not self.outer_state_min_rate_mb_s > 0:
+            raise ValueError(
+                f"outer_state_min_rate_mb_s must be > 0 (MB/s), got {self.outer_state_min_rate_mb_s}"
+            )
         if self.deadline is not None and self.deadline <= time.time():
             raise ValueError(f"deadline {self.deadline} is already in the past")
         if not 0.0 <= self.outer_participation_power <= 2.0:

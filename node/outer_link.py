@@ -120,6 +120,7 @@ class OuterLink:
         self.stall_s = 0.0  # seconds callers spent blocked in link calls
         self.round = 0
         self.state_timeout_s = OuterConfig().state_timeout_s  # s, set by start()
+        self.transfer_s = OuterConfig().transfer_s(numel)  # s on top for a state's bytes
         self.digest = ""  # digest of the outer process's state after the last operation
         self.lineage: list[Link] = []  # that state's chain, ending with it (protocol.lineage)
 
@@ -195,6 +196,7 @@ class OuterLink:
             link.close(timeout=5.0)
             raise
         link.state_timeout_s = cfg.state_timeout_s
+        link.transfer_s = cfg.transfer_s(numel)
         return link
 
     # ---- public API ------------------------------------------------------------------
@@ -250,7 +252,7 @@ class OuterLink:
         t0 = time.monotonic()
         limit = self.state_timeout_s if timeout is None else timeout
         self._send(Fetch(timeout_s=limit, attested=attested))
-        reply = self._expect(StateFetched, limit + 10.0)
+        reply = self._expect(StateFetched, limit + self.transfer_s + 10.0)
         self.stall_s += time.monotonic() - t0
         if not reply.ok:
             return None

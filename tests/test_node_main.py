@@ -66,6 +66,11 @@ def test_node_config_refuses_a_listen_address_it_cannot_bind(listen: str) -> Non
     assert NodeConfig(coordinator="h:1", listen="/ip6/::/tcp/4001").listen == "/ip6/::/tcp/4001"
 
 
+def test_node_config_refuses_a_state_download_rate_of_zero() -> None:
+    with pytest.raises(ValueError, match="outer_state_min_rate_mb_s must be > 0"):
+        NodeConfig(coordinator="h:1", outer_state_min_rate_mb_s=0.0)
+
+
 def test_node_config_announces_dialable_addresses_on_a_fixed_outer_port() -> None:
     cfg = NodeConfig(
         coordinator="h:1", announce=["/ip4/203.0.113.9/tcp/4001"], outer_port=4002,

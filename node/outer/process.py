@@ -277,12 +277,15 @@ class OuterProcess:
     ) -> bool:
         """Adopt the state of the most advanced replica that shares it (by DHT priority),
         of a round above `min_round`; with `want`, only the state of that (round, digest);
-        with `sources` (base58 peer ids), only from those replicas."""
+        with `sources` (base58 peer ids), only from those replicas. `timeout` bounds the
+        search for a source; a transfer that started gets `OuterConfig.transfer_s` more
+        (a large stage on a slow link), so only a source that starts late runs past it."""
         deadline = time.monotonic() + timeout
+        transfer = self.cfg.transfer_s(self.result.numel())
         while time.monotonic() < deadline:
             try:
                 left = max(0.5, deadline - time.monotonic())
-                got = self.averager.load_state(left, want, sources)
+                got = self.averager.load_state(left + transfer, want, sources)
             except TimeoutError:  # the averager is still at it; its sources are bounded
                 got = None
             if got is not None:  # checked by the averager (node.outer.state_download)

@@ -131,11 +131,19 @@ class OuterConfig:
     # (a forwarded port, a proxy in front of it); empty = its listen addresses
     announce: list[str] = field(default_factory=list)
     startup_timeout_s: float = 90.0  # max time for the outer process to start its DHT (s)
-    state_timeout_s: float = 20.0  # max time to download state from a live replica (s)
+    # time for a state download to find a source and start (s); the transfer itself gets
+    # its bytes at state_min_rate_mb_s on top (`transfer_s`)
+    state_timeout_s: float = 20.0
+    state_min_rate_mb_s: float = 2.0  # the slowest state download waited for (MB/s)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)  # outer optimizer (see there)
     # what follows the Python interpreter on the outer process's command line (argv);
     # `agora chaos --byzantine` substitutes a rogue one (swarmlab.chaos.rogue_outer)
     program: tuple[str, ...] = OUTER_PROGRAM
+
+    def transfer_s(self, numel: int) -> float:
+        """Seconds a state download of a stage of `numel` parameters may take beyond its
+        timeout: theta_g and m (fp32, 8 bytes a parameter) at `state_min_rate_mb_s`."""
+        return 8 * numel / (self.state_min_rate_mb_s * 1e6)
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
@@ -149,7 +157,8 @@ class OuterConfig:
             )
         if not self.program or not all(isinstance(a, str) and a for a in self.program):
             raise ValueError(f"program must be a non-empty list of arguments, got {self.program!r}")
-        for name in ("round_timeout_s", "startup_timeout_s", "state_timeout_s"):
+        for name in ("round_timeout_s", "startup_timeout_s", "state_timeout_s",
+                     "state_min_rate_mb_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         try:
