@@ -79,7 +79,7 @@ class NodeConfig:
     # onto the stage's newest state at its first round
     outer_state_timeout_s: float = 10.0
     # the slowest state download waited for (MB/s): a stage's state (theta_g and m, fp32,
-    # 8 bytes a parameter) of 600 MB (llama-125m) gets 300 s more at 2 MB/s
+    # 8 bytes a parameter) of 304 MB (half of llama-125m) gets 152 s more at 2 MB/s
     outer_state_min_rate_mb_s: float = 2.0
     # eta and mu of the outer Nesterov step, from `agora bench outer-sweep` at our short
     # rounds (H = 10-25 inner steps): DiLoCo's mu = 0.9 costs 6-32 % of eval loss there,

@@ -133,7 +133,7 @@ def test_config_round_trips_and_missing_keys_take_defaults() -> None:
 
 def test_a_state_download_gets_its_bytes_at_the_slowest_rate_on_top_of_its_timeout() -> None:
     cfg = c.OuterConfig(state_timeout_s=10.0, state_min_rate_mb_s=2.0)
-    assert cfg.transfer_s(75_000_000) == 300.0  # llama-125m's 600 MB of theta_g and m
+    assert cfg.transfer_s(75_000_000) == 300.0  # 600 MB of theta_g and m
     assert cfg.transfer_s(1000) < 0.01  # a test-sized stage: the timeout alone
     with pytest.raises(ProtocolError, match="state_min_rate_mb_s"):
         c.OuterConfig.from_wire({"state_min_rate_mb_s": 0.0})
