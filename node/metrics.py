@@ -22,6 +22,10 @@ COMPRESSION = Gauge(
     "agora_node_compression_ratio", "Raw fp32 bytes over wire bytes, both directions"
 )
 INNER_STEPS = Counter("agora_node_inner_steps_total", "Inner optimizer steps")
+RECOMPUTES = Counter(
+    "agora_node_recomputes_total",
+    "Backward passes that ran the forward again (evicted, or the weights moved since)",
+)
 OUTER_STEPS = Counter("agora_node_outer_steps_total", "Outer (DiLoCo) steps applied")
 OUTER_ROUNDS = Counter(
     "agora_node_outer_rounds_total",

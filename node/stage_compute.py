@@ -174,6 +174,7 @@ class StageCompute:
             # stale graph is let go first, so a recompute never holds two micro-batches'
             # activations (on an H200 that made stage 0 peak a fifth above its estimate).
             self.recomputes += 1
+            metrics.RECOMPUTES.inc()
             kept = cached[0] if cached is not None else None
             del cached
             if kept is not None:
