@@ -75,12 +75,14 @@ class NodeConfig:
     outer_matchmaking_s: float = 6.0  # seconds to gather replicas for a round
     outer_timeout_s: float = 20.0  # seconds an outer round may take once a group formed
     # seconds a joiner waits for a replica's state to start coming, plus the state's bytes
-    # at outer_state_min_rate_mb_s; on timeout it starts from the seeded init and rebases
+    # at outer_min_rate_mb_s; on timeout it starts from the seeded init and rebases
     # onto the stage's newest state at its first round
     outer_state_timeout_s: float = 10.0
-    # the slowest state download waited for (MB/s): a stage's state (theta_g and m, fp32,
-    # 8 bytes a parameter) of 304 MB (half of llama-125m) gets 152 s more at 2 MB/s
-    outer_state_min_rate_mb_s: float = 2.0
+    # the slowest link an outer-loop transfer is waited for (MB/s): a state download gets
+    # its bytes (theta_g and m, fp32: 304 MB for half of llama-125m) at this rate on top of
+    # outer_state_timeout_s, a round its exchange (2 compressed stages) on top of
+    # outer_timeout_s
+    outer_min_rate_mb_s: float = 2.0
     # eta and mu of the outer Nesterov step, from `agora bench outer-sweep` at our short
     # rounds (H = 10-25 inner steps): DiLoCo's mu = 0.9 costs 6-32 % of eval loss there,
     # 0.7 / 0.5 was best at H = 25 (docs/outer-loop.md).
@@ -137,9 +139,9 @@ class NodeConfig:
             raise ValueError(f"outer_every_steps must be >= 0, got {self.outer_every_steps}")
         if self.request_timeout_s <= 0 or self.drain_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
-        if not self.outer_state_min_rate_mb_s > 0:
+        if not self.outer_min_rate_mb_s > 0:
             raise ValueError(
-                f"outer_state_min_rate_mb_s must be > 0 (MB/s), got {self.outer_state_min_rate_mb_s}"
+                f"outer_min_rate_mb_s must be > 0 (MB/s), got {self.outer_min_rate_mb_s}"
             )
         if self.deadline is not None and self.deadline <= time.time():
             raise ValueError(f"deadline {self.deadline} is already in the past")

@@ -289,7 +289,7 @@ def outer_config(cfg: NodeConfig) -> OuterConfig:
         request_timeout_s=min(1.0, cfg.outer_matchmaking_s / 2),
         round_timeout_s=cfg.outer_timeout_s,
         state_timeout_s=cfg.outer_state_timeout_s,
-        state_min_rate_mb_s=cfg.outer_state_min_rate_mb_s,
+        min_rate_mb_s=cfg.outer_min_rate_mb_s,
         port=cfg.outer_port,
         announce=list(cfg.outer_announce),
         diloco=diloco,

@@ -67,8 +67,8 @@ def test_node_config_refuses_a_listen_address_it_cannot_bind(listen: str) -> Non
 
 
 def test_node_config_refuses_a_state_download_rate_of_zero() -> None:
-    with pytest.raises(ValueError, match="outer_state_min_rate_mb_s must be > 0"):
-        NodeConfig(coordinator="h:1", outer_state_min_rate_mb_s=0.0)
+    with pytest.raises(ValueError, match="outer_min_rate_mb_s must be > 0"):
+        NodeConfig(coordinator="h:1", outer_min_rate_mb_s=0.0)
 
 
 def test_node_config_announces_dialable_addresses_on_a_fixed_outer_port() -> None:

@@ -131,12 +131,16 @@ def test_config_round_trips_and_missing_keys_take_defaults() -> None:
     assert got.port == 7 and got.diloco.eta == 1.0 and isinstance(got.diloco.eta, float)
 
 
-def test_a_state_download_gets_its_bytes_at_the_slowest_rate_on_top_of_its_timeout() -> None:
-    cfg = c.OuterConfig(state_timeout_s=10.0, state_min_rate_mb_s=2.0)
+def test_state_downloads_and_rounds_get_their_bytes_at_the_slowest_rate_on_top() -> None:
+    cfg = c.OuterConfig(state_timeout_s=10.0, min_rate_mb_s=2.0)
     assert cfg.transfer_s(75_000_000) == 300.0  # 600 MB of theta_g and m
     assert cfg.transfer_s(1000) < 0.01  # a test-sized stage: the timeout alone
-    with pytest.raises(ProtocolError, match="state_min_rate_mb_s"):
-        c.OuterConfig.from_wire({"state_min_rate_mb_s": 0.0})
+    # a round's exchange: 2 fp16 stages each way, or one uint8 stage per other member
+    assert cfg.exchange_s(1_000_000) == 2.0
+    wide = c.OuterConfig(averaging="all_gather", compression="uint8", target_group_size=8)
+    assert wide.exchange_s(1_000_000) == 3.5
+    with pytest.raises(ProtocolError, match="min_rate_mb_s"):
+        c.OuterConfig.from_wire({"min_rate_mb_s": 0.0})
 
 
 @pytest.mark.parametrize(

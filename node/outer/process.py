@@ -176,20 +176,22 @@ class OuterProcess:
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         self.listen_addrs = [a.split("/p2p/")[0] for a in addrs][:MAX_ADDRS]
         self.contribution = torch.zeros(init.numel, dtype=torch.float32)
+        # the round's limit, plus the exchange's bytes at the slowest rate waited for
+        exchange_s = self.cfg.round_timeout_s + self.cfg.exchange_s(init.numel)
         self.averager = self.averager_cls(
             self.contribution,
             self.dht,
             prefix=self.prefix,
             wire_compression=compression(self.cfg.compression),
             diloco=self.cfg.diloco,
-            exchange_timeout=self.cfg.round_timeout_s,
+            exchange_timeout=exchange_s,
             state_provider=self.current_state,
             scheme=self.cfg.averaging,
             target_group_size=self.cfg.target_group_size,
             min_group_size=2,
             min_matchmaking_time=self.cfg.matchmaking_s,
             request_timeout=self.cfg.request_timeout_s,
-            allreduce_timeout=self.cfg.round_timeout_s + 5.0,
+            allreduce_timeout=exchange_s + 5.0,
             next_chunk_timeout=self.cfg.round_timeout_s,
             allow_state_sharing=False,  # until this replica holds a state
             declare_state_period=5.0,

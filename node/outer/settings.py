@@ -19,6 +19,7 @@ from protocol.addrs import MAX_ADDRS, announce_problem
 from protocol.errors import ProtocolError
 
 COMPRESSIONS = ("none", "fp16", "uint8")  # pseudo-gradient wire codecs, by name
+WIRE_BYTES = {"none": 4, "fp16": 2, "uint8": 1}  # bytes a parameter on the wire, by codec
 # how a group averages (docs/outer-averaging.md): reduce-scatter + all-gather of compressed
 # parts (bytes per replica flat in the group size), or every member sending its whole
 # contribution to every other member (bytes per replica grow with the group)
@@ -132,9 +133,11 @@ class OuterConfig:
     announce: list[str] = field(default_factory=list)
     startup_timeout_s: float = 90.0  # max time for the outer process to start its DHT (s)
     # time for a state download to find a source and start (s); the transfer itself gets
-    # its bytes at state_min_rate_mb_s on top (`transfer_s`)
+    # its bytes at min_rate_mb_s on top (`transfer_s`)
     state_timeout_s: float = 20.0
-    state_min_rate_mb_s: float = 2.0  # the slowest state download waited for (MB/s)
+    # the slowest link an outer-loop transfer is waited for (MB/s): state downloads and a
+    # round's exchange get their bytes at this rate on top of their timeouts
+    min_rate_mb_s: float = 2.0
     diloco: DilocoConfig = field(default_factory=DilocoConfig)  # outer optimizer (see there)
     # what follows the Python interpreter on the outer process's command line (argv);
     # `agora chaos --byzantine` substitutes a rogue one (swarmlab.chaos.rogue_outer)
@@ -142,8 +145,15 @@ class OuterConfig:
 
     def transfer_s(self, numel: int) -> float:
         """Seconds a state download of a stage of `numel` parameters may take beyond its
-        timeout: theta_g and m (fp32, 8 bytes a parameter) at `state_min_rate_mb_s`."""
-        return 8 * numel / (self.state_min_rate_mb_s * 1e6)
+        timeout: theta_g and m (fp32, 8 bytes a parameter) at `min_rate_mb_s`."""
+        return 8 * numel / (self.min_rate_mb_s * 1e6)
+
+    def exchange_s(self, numel: int) -> float:
+        """Seconds a round's exchange may take beyond `round_timeout_s`: what one replica
+        sends (as much as it receives) at `min_rate_mb_s`, 2 compressed stages with the
+        reduce-scatter, one per other member of the largest group with the all-gather."""
+        copies = 2 if self.averaging == "reduce_scatter" else self.target_group_size - 1
+        return copies * WIRE_BYTES[self.compression] * numel / (self.min_rate_mb_s * 1e6)
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
@@ -158,7 +168,7 @@ class OuterConfig:
         if not self.program or not all(isinstance(a, str) and a for a in self.program):
             raise ValueError(f"program must be a non-empty list of arguments, got {self.program!r}")
         for name in ("round_timeout_s", "startup_timeout_s", "state_timeout_s",
-                     "state_min_rate_mb_s"):  # fmt: skip
+                     "min_rate_mb_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         try:
