@@ -42,10 +42,11 @@ DEVICES: dict[str, dict[str, float]] = {
     "rtx4090": {"tflops": 165.2, "memory_gb": 24.0, "mem_gbps": 1008.0, "mfu": 0.35},
     "a100": {"tflops": 312.0, "memory_gb": 80.0, "mem_gbps": 2039.0, "mfu": 0.45},
     "h100": {"tflops": 989.0, "memory_gb": 80.0, "mem_gbps": 3350.0, "mfu": 0.45},
+    "h200": {"tflops": 989.0, "memory_gb": 141.0, "mem_gbps": 4800.0, "mfu": 0.45},
 }
 DEVICE_SOURCE = (
     "vendor datasheets: dense bf16/fp16 tensor TFLOPS with fp32 accumulate and memory"
-    " bandwidth (GA102 and AD102 whitepapers, A100/H100 SXM datasheets); MFU assumed"
+    " bandwidth (GA102 and AD102 whitepapers, A100/H100/H200 SXM datasheets); MFU assumed"
 )
 
 
@@ -85,9 +86,15 @@ class Timings:
     relay_rtt_ms: float = 60.0  # extra RTT through the relay (ms)
     relay_mbit: float = 100.0  # cap on a relayed peer's bandwidth, each way (Mbit/s)
     host_cores: int = 2  # cores of a shared host (`PeerGroup.host`) (count)
-    # CPU a node spends on each end of a pipeline message outside torch (py-libp2p,
-    # msgpack, trio), serialised with its compute (s)
-    msg_cpu_s: float = 0.002
+    # CPU a node spends on each pipeline message it receives outside torch (py-libp2p,
+    # msgpack, trio, device copies), serialised with its compute. Fitted with the next
+    # to four swarms on an H200 box (docs/gpu.md); `--validate` calibrates its own for
+    # CPU peers (0.037-0.039 on the 2-core development box, docs/plan.md) (s)
+    msg_cpu_s: float = 0.08
+    # CPU per MB of a pipeline message, both ends together (encode, framing, py-libp2p's
+    # Noise and Yamux, decode), charged to its receiver's worker like msg_cpu_s (fitted
+    # with it: docs/gpu.md) (s per MB)
+    msg_cpu_s_per_mb: float = 0.022
     # always-runnable threads each node's outer process and p2p daemon add to a shared
     # host (count): on this machine one, the validation's 2 x 1 swarm shows (docs/scale.md)
     node_bg_threads: float = 1.0

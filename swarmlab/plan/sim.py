@@ -224,8 +224,13 @@ class SwarmSim:
             # out of leases while trained work waits for a round: the node asks for one
             # now (node.stage0_driver, request_early_round)
             self._begin_round(p)
+        # A micro-batch is cut from one simulated lease, where the node draws its windows
+        # across the leases it holds (node.lease_pool): a grant of at least a micro-batch
+        # stands in for that, or a micro-batch larger than a grant would carry a fraction
+        # of its tokens at the full cost.
+        grant = max(self.t.grant_tokens, self.mb_tokens)
         while len(open_) < LEASE_POOL and len(p.leases) < MAX_LEASES:
-            lease, _ = self.book.acquire(p.pid, self.eng.now, max_tokens=self.t.grant_tokens)
+            lease, _ = self.book.acquire(p.pid, self.eng.now, max_tokens=grant)
             if lease is None:
                 break
             ls = LeaseState(
@@ -322,10 +327,15 @@ class SwarmSim:
         q.serving[req] = None
         c = q.profile.stages[q.stage]
         q.worker.submit(
-            c.fwd_s + self.t.msg_cpu_s,
+            c.fwd_s + self._msg_cpu(req.caller.profile.stages[req.caller.stage].fwd_bytes),
             lambda: self._forwarded(q, req.mb, req),
             RETRIED if req.retry else FRESH,
         )
+
+    def _msg_cpu(self, nbytes: float) -> float:
+        """The receiver's CPU for one pipeline message of `nbytes` (both ends' per-byte
+        work, charged to the receiver)."""
+        return self.t.msg_cpu_s + self.t.msg_cpu_s_per_mb * nbytes / 1e6
 
     def _reply(self, req: Req | None) -> None:
         """`req.callee` is done with the micro-batch: the gradient goes back to the caller."""
@@ -356,7 +366,9 @@ class SwarmSim:
                 self._reply(req.parent)
 
         p.worker.submit(
-            c.bwd_s + self.t.msg_cpu_s, backward_done, RETRIED if req.retry else BACKWARD
+            c.bwd_s + self._msg_cpu(q.profile.stages[q.stage].bwd_bytes),
+            backward_done,
+            RETRIED if req.retry else BACKWARD,
         )
 
     def _failed(self, req: Req, unreachable: bool) -> None:

@@ -119,10 +119,15 @@ def compute_per_mb(profile: Profile, node: NodeSettings) -> list[float]:
 
 def calibrate(node: NodeSettings, one: dict[str, Any], profile: Profile) -> dict[str, float]:
     """`msg_cpu_s` from the 2 x 1 swarm `one` (a measure_shape result; `profile`: the
-    2-stage profile)."""
+    2-stage profile), less each received message's per-MB cost (`Timings`' default)."""
     mb_rate = one["tokens_per_s"] / (node.micro_batch * node.seq_len)  # micro-batches/s
     compute = compute_per_mb(profile, node)
-    extra = [one["cpu_s_per_s"][f"s{s}r0"][0] / mb_rate - compute[s] for s in range(2)]
+    received = [profile.stages[1].bwd_bytes, profile.stages[0].fwd_bytes]  # by stage 0, 1
+    per_mb = Timings().msg_cpu_s_per_mb
+    extra = [
+        one["cpu_s_per_s"][f"s{s}r0"][0] / mb_rate - compute[s] - per_mb * received[s] / 1e6
+        for s in range(2)
+    ]
     return {"msg_cpu_s": max(0.0, sum(extra) / 2)}
 
 
