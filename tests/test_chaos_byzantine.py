@@ -26,7 +26,6 @@ import pytest
 
 from node.events import EventLog
 from swarmlab.chaos.byzantine import (
-    FORGED_ROUND,
     HONEST,
     byzantine_plan,
     ground_key,
@@ -35,7 +34,7 @@ from swarmlab.chaos.byzantine import (
     judge,
     reason_kind,
 )
-from swarmlab.chaos.schedule import BYZANTINE, ChaosConfig
+from swarmlab.chaos.schedule import BYZANTINE, FORGED_ROUND, ChaosConfig
 from swarmlab.procs import child_env
 from swarmlab.swarm import EVENTS_SUFFIX
 

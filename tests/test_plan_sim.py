@@ -34,7 +34,7 @@ def fleet(count: int = 4, *, outer: int = 0, churn: Churn | None = None, host: s
             )  # fmt: skip
         ],
         churn=churn or Churn(),
-        timings=Timings(msg_cpu_s=0.0, host_cores=2),
+        timings=Timings(msg_cpu_s=0.0, msg_cpu_s_per_mb=0.0, host_cores=2),
         node=NodeSettings(outer_every_steps=outer, in_flight=4),
     )
 
@@ -53,6 +53,31 @@ def test_dedicated_devices_reach_the_bottleneck_rate() -> None:
     assert r["tokens_per_s"] == pytest.approx(2 / 0.3 * tokens, rel=0.05)
     # without an outer loop a micro-batch commits as it finishes
     assert r["committed_tokens_per_s"] == pytest.approx(r["tokens_per_s"], rel=0.05)
+
+
+def test_a_message_costs_its_receiver_cpu_per_message_and_per_mb() -> None:
+    # 2 x 1 on dedicated devices, 1 MB each way: stage 0 spends 0.1 + 0.2 of torch plus
+    # 0.05 + 0.1 x 1 MB on the gradient it receives, the last stage 0.3 + 0.15 on the
+    # activations: 0.45 s a micro-batch on each, the pipeline's rate
+    f = fleet(count=2)
+    f.timings = Timings(msg_cpu_s=0.05, msg_cpu_s_per_mb=0.1, host_cores=2)
+    p = profile()
+    for c in p.stages:
+        c.fwd_bytes, c.bwd_bytes = (1e6 if c.fwd_bytes else 0), (1e6 if c.bwd_bytes else 0)
+    sim = SwarmSim(f, {"cpu": p}, 2, seed=0)
+    sim.start([(f.groups[0], 0), (f.groups[0], 1)])
+    r = sim.measure(20.0, 120.0)
+    assert r["tokens_per_s"] == pytest.approx(8 * 128 / 0.45, rel=0.05)
+
+
+def test_a_micro_batch_larger_than_a_grant_carries_all_its_tokens() -> None:
+    f = fleet(count=2)
+    f.node = NodeSettings(outer_every_steps=0, in_flight=4, micro_batch=128)  # 16,384 tokens
+    assert f.node.micro_batch * f.node.seq_len > f.timings.grant_tokens
+    sim = SwarmSim(f, {"cpu": profile()}, 2, seed=0)
+    sim.start([(f.groups[0], 0), (f.groups[0], 1)])
+    r = sim.measure(20.0, 120.0)
+    assert r["tokens_per_s"] == pytest.approx(128 * 128 / 0.3, rel=0.05)
 
 
 @pytest.mark.parametrize(("background", "cores_for_workers"), [(0.0, 2.0), (1.0, 1.0)])

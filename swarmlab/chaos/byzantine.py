@@ -67,7 +67,6 @@ OUTER = {  # chaos attack -> swarmlab.chaos.rogue_outer --attack
 }
 ATTACKS = BYZANTINE
 HONEST = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}  # Run.start's nodes and their stages
-FORGED_ROUND = 2**62  # the round the forging attackers claim and serve
 TAKEN_OVER = 2**61  # an honest round past this came from a forged claim
 GRIND_KEYS = 2000  # keys `bootstrap_grab` draws to find the smallest peer id
 SLOT_GAP_S = 5.0  # seconds between one attacker's stop and the next one's start

@@ -43,13 +43,13 @@ from protocol.pipeline import FORWARD_PROTOCOL, Backward, Forward
 from protocol.state import STATE_PROTOCOL
 from swarmlab.chaos.control_wire import write_outcome
 from swarmlab.chaos.rogue import MEMBER_WAIT_S, REQUEST_S, encoded, forward, send
+from swarmlab.chaos.schedule import FORGED_ROUND
 
 log = logging.getLogger("agora.chaos.member_attacks")
 
 OVERSIZED_ROWS = 512  # rows of an oversized Forward (a micro-batch has 8)
 GUESSED_IDS = ("1.0.0", "1.1.0", "2.0.0", "2.1.0", "3.0.0", "3.0.8192")  # other senders' ids
 IN_FLIGHT = 8  # micro-batches a stage-0 node may have in flight to one peer at once
-FORGED_ROUND = 2**62  # the round `forged_export` serves
 FORGED_VALUE = 1e3  # every weight of the state `forged_export` serves
 
 

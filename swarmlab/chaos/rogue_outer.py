@@ -27,11 +27,12 @@ import signal
 import sys
 from typing import Any
 
+from swarmlab.chaos.schedule import FORGED_ROUND
+
 ATTACKS = (
     "freeze_in_group", "own_part_only", "scaled_delta", "nan_delta", "sign_flip", "noise",
     "inflated_claims", "state_takeover",
 )  # fmt: skip
-FORGED_ROUND = 2**62  # the round `state_takeover` declares and serves
 
 
 def rogue_averager(attack: str) -> Any:

@@ -10,6 +10,7 @@ from pathlib import Path
 KINDS = ("kill_node", "zombie", "kill_coordinator", "cut_stream", "rogue", "join_mid_round")
 LEASE_TTL_S = 10.0  # the chaos swarm's lease TTL (its run.toml), seconds
 # the attacks of `agora chaos --byzantine` (swarmlab.chaos.byzantine)
+FORGED_ROUND = 2**62  # the round the forging attackers (state_takeover, forged_export) claim
 BYZANTINE = ("state_takeover", "inflated_claims", "scaled_delta", "sign_flip", "noise",
              "nan_inf", "bootstrap_grab", "forged_export")  # fmt: skip
 MIN_SLOT_S = 60.0  # the shortest Byzantine slot: an attacker starts, trains and averages

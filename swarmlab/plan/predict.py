@@ -2,8 +2,9 @@
 the recommended stage count, and the sweeps behind the plots.
 
 Every answer is a `SwarmSim` run over `minutes` of simulated time after a warm-up; the
-data-centre reference is the same shape and devices with 100 Gbit/s, 20 us links and
-no churn ("the same GPUs in one data centre").
+data-centre reference is the same shape and devices with 100 Gbit/s, 20 us links, no
+churn and no per-message CPU ("the same GPUs in one data centre", whose pipeline moves
+activations device to device, not through a Python transport).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def data_centre(fleet: Fleet) -> Fleet:
         )
         for g in fleet.groups
     ]  # fmt: skip
-    return dataclasses.replace(fleet, groups=groups, churn=Churn())
+    timings = dataclasses.replace(fleet.timings, msg_cpu_s=0.0, msg_cpu_s_per_mb=0.0)
+    return dataclasses.replace(fleet, groups=groups, churn=Churn(), timings=timings)
 
 
 def predict(
