@@ -34,6 +34,7 @@ import torch
 from bench.convergence_stats import SPLITS, heldout_split
 from bench.outer_sweep_sim import (
     DATA_MODES,
+    OUTER_CODECS,
     SCHEDULES,
     Common,
     RunResult,
@@ -43,7 +44,6 @@ from bench.outer_sweep_sim import (
 )
 from node.data import load_dataset
 from node.model import PRESETS
-from node.outer.contract import COMPRESSIONS
 
 _DEFAULT = Common()  # the defaults of the command line
 _SETTING = Setting()  # the node's (and the coordinator's) defaults
@@ -190,7 +190,11 @@ def _parser() -> argparse.ArgumentParser:
         " open leases (default on, the node's) or take them in lease order",
     )  # fmt: skip
     p.add_argument("--inner-schedule", type=_words(SCHEDULES), help="constant | cosine")
-    p.add_argument("--outer-compression", type=_words(COMPRESSIONS), help="none | fp16 | uint8")
+    p.add_argument(
+        "--outer-compression", type=_words(OUTER_CODECS),
+        help="none | fp16 | uint8, or sparse1 | sparse3 (top 1 / 3 %% of each chunk at 2 bits,"
+             " error feedback; simulation only)",
+    )  # fmt: skip
     p.add_argument(
         "--clip-rel", type=_floats,
         help="centered-clipping radius(es) in median norms, groups of >= 3 (0: plain mean)",

@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from bench.outer_sparse import SPARSE_CODECS, ErrorFeedback
 from bench.outer_sweep_data import GrantQueue, LeaseBatches, LeaseQueue, PooledBatches
 from node.baseline import ChainedStages, TrainConfig, evaluate, lr_at, train, train_step
 from node.config import NodeConfig
@@ -149,7 +150,9 @@ class Setting:
     lease_pool: int = int(_node_default("lease_pool"))  # open leases per replica (leases)
     shuffle_windows: bool = bool(_node_default("shuffle_windows"))  # draw across leases
     inner_schedule: str = "constant"  # constant | cosine (name)
-    outer_compression: str = "none"  # none | fp16 | uint8, group rounds only (name)
+    # none | fp16 | uint8 (the outer process's codecs), or sparse1 | sparse3 (top 1 or 3 %
+    # of each chunk at 2 bits, with error feedback: bench.outer_sparse); group rounds only
+    outer_compression: str = "none"  # (name)
     # centered clipping at this x the median norm, groups of >= 3 (0: the weighted mean)
     clip_rel: float = DilocoConfig().clip_rel
     stage: str = ""  # which part of the grid asked for it (label)
@@ -159,8 +162,8 @@ class Setting:
             raise ValueError(f"H must be >= 1 and churn in [0, 1), got {self.H}, {self.churn}")
         if self.data not in DATA_MODES or self.inner_schedule not in SCHEDULES:
             raise ValueError(f"data in {DATA_MODES}, inner schedule in {SCHEDULES}")
-        if self.outer_compression not in COMPRESSIONS:
-            raise ValueError(f"outer compression in {COMPRESSIONS}")
+        if self.outer_compression not in OUTER_CODECS:
+            raise ValueError(f"outer compression in {OUTER_CODECS}")
         if self.grant_tokens < 0 or self.lease_pool < 1:
             raise ValueError("grant_tokens must be >= 0 and lease_pool >= 1")
 
@@ -168,6 +171,9 @@ class Setting:
         d = asdict(self)
         d.pop("stage")
         return tuple(d.values())
+
+
+OUTER_CODECS = (*COMPRESSIONS, *SPARSE_CODECS)  # what `Setting.outer_compression` takes
 
 
 def flat_params(model: ChainedStages) -> torch.Tensor:
@@ -249,6 +255,7 @@ class Simulation:
             dataset.manifest.train, grant_tokens=setting.grant_tokens, seed=common.seed
         )
         self._took_part: set[int] = set()  # slots whose contribution is in this round
+        self.feedback: dict[int, ErrorFeedback] = {}  # slot -> its residual (sparse codecs)
         self._seeds = itertools.count(common.seed + 1)
         self.replicas: list[Replica | None] = [self._fresh() for _ in range(common.replicas)]
         first = self.replicas[0]
@@ -297,6 +304,7 @@ class Simulation:
         """Round k's inner steps on every live replica; the contributions of those that
         take part (churn and kills decide)."""
         contribs: list[Contribution] = []
+        slots: list[int] = []  # of each contribution
         self._events, self._missed, self._took_part = [], [], set()
         for slot, rep in enumerate(self.replicas):
             if rep is None:
@@ -317,20 +325,27 @@ class Simulation:
                     rep.batches.release()
                 self.joining[slot] = self._fresh()
                 self.replicas[slot] = None
+                self.feedback.pop(slot, None)  # the joiner starts with no residual
                 continue
             if missed:
                 self._missed.append(slot)
                 continue
             self._took_part.add(slot)
+            slots.append(slot)
             contribs.append(
                 Contribution(
                     delta=pseudo_gradient(self.state.theta_g, flat_params(rep.model)),
                     tokens=rep.tokens,
                 )
             )
-        if len(contribs) > 1 and self.s.outer_compression != "none":
+        codec = self.s.outer_compression
+        if len(contribs) > 1 and codec in SPARSE_CODECS:
+            for slot, c in zip(slots, contribs, strict=True):
+                ef = self.feedback.setdefault(slot, ErrorFeedback(*SPARSE_CODECS[codec]))
+                c.delta = ef.encode(c.delta)
+        elif len(contribs) > 1 and codec != "none":
             for c in contribs:
-                c.delta = _wire(c.delta, self.s.outer_compression)
+                c.delta = _wire(c.delta, codec)
         return contribs
 
     def apply(self, k: int, contribs: Sequence[Contribution]) -> RoundLog:

@@ -1,0 +1,62 @@
+"""A sparse pseudo-gradient codec with error feedback, for the outer-sweep simulation.
+
+SparseLoCo-style (Sarfi et al., 2025): each replica keeps a residual e of what it has not
+sent; per round it adds its pseudo-gradient (e = beta e + delta), sends the top `frac`
+of each chunk of `CHUNK` values by magnitude, each quantized to `bits` bits on a uniform
+grid over [-max, max] of the chunk's selection, and keeps the rest (e -= sent). What is
+sent is what every member decodes and averages. `wire_bytes` counts a chunk as its k
+16-bit indices, its k codes and one fp32 scale. Pure torch; the outer process does not
+use it yet (docs/outer-averaging.md says what was measured with it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 4096  # values per chunk: a 16-bit index addresses any of them
+# codec name -> (fraction of each chunk sent, bits a value); the simulation's names
+SPARSE_CODECS = {"sparse1": (0.01, 2), "sparse3": (0.03, 2)}
+
+
+def chunk_k(frac: float, chunk: int = CHUNK) -> int:
+    return max(1, min(chunk, round(frac * chunk)))
+
+
+def topk_quantize(x: torch.Tensor, frac: float, bits: int, chunk: int = CHUNK) -> torch.Tensor:
+    """`x` (flat) as the receiver decodes it: per chunk, the top `frac` by magnitude on a
+    `bits`-bit grid over [-m, m] (m: the largest selected magnitude), zeros elsewhere."""
+    if not 0.0 < frac <= 1.0 or not 1 <= bits <= 8:
+        raise ValueError(f"frac must be in (0, 1] and bits in 1..8, got {frac}, {bits}")
+    n = x.numel()
+    v = F.pad(x.detach().flatten().to(torch.float32), (0, (-n) % chunk)).view(-1, chunk)
+    idx = v.abs().topk(chunk_k(frac, chunk), dim=1).indices
+    sel = v.gather(1, idx)
+    m = sel.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    levels = 2**bits - 1  # grid steps between -m and m
+    q = torch.round((sel / m + 1.0) * levels / 2.0).clamp(0, levels)
+    out = torch.zeros_like(v)
+    out.scatter_(1, idx, (q * 2.0 / levels - 1.0) * m)
+    return out.flatten()[:n]
+
+
+def wire_bytes(numel: int, frac: float, bits: int, chunk: int = CHUNK) -> int:
+    """Bytes of one encoded pseudo-gradient of `numel` values."""
+    k = chunk_k(frac, chunk)
+    return math.ceil(numel / chunk) * (2 * k + math.ceil(k * bits / 8) + 4)
+
+
+class ErrorFeedback:
+    """One replica's residual: `encode` returns what it sends this round."""
+
+    def __init__(self, frac: float, bits: int, beta: float = 1.0) -> None:
+        self.frac, self.bits, self.beta = frac, bits, beta
+        self.residual: torch.Tensor | None = None
+
+    def encode(self, delta: torch.Tensor) -> torch.Tensor:
+        e = delta.clone() if self.residual is None else self.beta * self.residual + delta
+        sent = topk_quantize(e, self.frac, self.bits)
+        self.residual = e - sent
+        return sent
