@@ -81,8 +81,8 @@ class NodeConfig:
     # the slowest link an outer-loop transfer is waited for (MB/s): a state download gets
     # its bytes (theta_g and m, fp32: 304 MB for half of llama-125m) at this rate on top of
     # outer_state_timeout_s, a round its exchange (2 compressed stages) on top of
-    # outer_timeout_s
-    outer_min_rate_mb_s: float = 2.0
+    # outer_timeout_s; a state source slower than this on average is dropped
+    outer_min_rate_mb_s: float = 1.0
     # eta and mu of the outer Nesterov step, from `agora bench outer-sweep` at our short
     # rounds (H = 10-25 inner steps): DiLoCo's mu = 0.9 costs 6-32 % of eval loss there,
     # 0.7 / 0.5 was best at H = 25 (docs/outer-loop.md).

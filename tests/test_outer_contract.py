@@ -137,7 +137,9 @@ def test_state_downloads_and_rounds_get_their_bytes_at_the_slowest_rate_on_top()
     assert cfg.transfer_s(1000) < 0.01  # a test-sized stage: the timeout alone
     # a round's exchange: 2 fp16 stages each way, or one uint8 stage per other member
     assert cfg.exchange_s(1_000_000) == 2.0
-    wide = c.OuterConfig(averaging="all_gather", compression="uint8", target_group_size=8)
+    wide = c.OuterConfig(
+        averaging="all_gather", compression="uint8", target_group_size=8, min_rate_mb_s=2.0
+    )
     assert wide.exchange_s(1_000_000) == 3.5
     with pytest.raises(ProtocolError, match="min_rate_mb_s"):
         c.OuterConfig.from_wire({"min_rate_mb_s": 0.0})

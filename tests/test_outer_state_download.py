@@ -191,6 +191,15 @@ filler = averaging_pb2.DownloadData(tensor_part=type(head.tensor_part)(buffer=by
 got = read([head] + [filler] * 10_000)
 cap = expected_bytes(n)
 assert got.startswith("refused after") and int(got.split()[2]) <= cap + 4200, got
+# the rate floor: after the grace, fewer bytes than the floor's average are refused
+r = StateDownload(n)
+r.feed(head)
+r.check_rate(elapsed_s=10.0, min_bytes_per_s=1e6, grace_s=10.0)  # within the grace
+try:
+    r.check_rate(elapsed_s=12.0, min_bytes_per_s=1e6, grace_s=10.0)  # 2 MB owed
+    raise AssertionError("a drip-feeding source was not refused")
+except ValueError as exc:
+    assert "slower than 1 MB/s" in str(exc), exc
 print("ok")
 """
     out = subprocess.run(

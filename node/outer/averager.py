@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
 
@@ -78,6 +79,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         state_provider: StateProvider,
         scheme: str = "reduce_scatter",
         announce: Sequence[str] = (),
+        state_min_rate: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if scheme not in AVERAGINGS:
@@ -88,6 +90,9 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         self._diloco = diloco
         self._exchange_timeout = exchange_timeout
         self._state_provider = state_provider
+        # bytes/s a state source must keep on average once its first `next_chunk_timeout`
+        # is over (0: no floor)
+        self._state_min_rate = state_min_rate
         self._exchanges: dict[bytes, _Exchange] = {}
         self._registered: asyncio.Event | None = None
         self._announce = list(announce)[:MAX_ADDRS]  # where our DHT listens (no /p2p/)
@@ -254,9 +259,12 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         reader = StateDownload(self._averaged_tensors[0].numel())
         stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        t0 = time.monotonic()
         try:
             async for msg in aiter_with_timeout(stream, wait):
                 reader.feed(msg)
+                if self._state_min_rate > 0:
+                    reader.check_rate(time.monotonic() - t0, self._state_min_rate, grace_s=wait)
         finally:
             close = getattr(stream, "aclose", None)
             if close is not None:

@@ -186,6 +186,7 @@ class OuterProcess:
             diloco=self.cfg.diloco,
             exchange_timeout=exchange_s,
             state_provider=self.current_state,
+            state_min_rate=self.cfg.min_rate_mb_s * 1e6,
             scheme=self.cfg.averaging,
             target_group_size=self.cfg.target_group_size,
             min_group_size=2,

@@ -137,7 +137,7 @@ class OuterConfig:
     state_timeout_s: float = 20.0
     # the slowest link an outer-loop transfer is waited for (MB/s): state downloads and a
     # round's exchange get their bytes at this rate on top of their timeouts
-    min_rate_mb_s: float = 2.0
+    min_rate_mb_s: float = 1.0
     diloco: DilocoConfig = field(default_factory=DilocoConfig)  # outer optimizer (see there)
     # what follows the Python interpreter on the outer process's command line (argv);
     # `agora chaos --byzantine` substitutes a rogue one (swarmlab.chaos.rogue_outer)

@@ -76,6 +76,17 @@ class StateDownload:
         if part.ByteSize():
             self._parts.append(part)
 
+    def check_rate(self, elapsed_s: float, min_bytes_per_s: float, grace_s: float) -> None:
+        """Refuse a source that, `grace_s` into the download, has sent less than
+        `min_bytes_per_s` on average since: one that drips bytes would otherwise hold the
+        reader for the whole allowance a large state gets."""
+        floor = min_bytes_per_s * (elapsed_s - grace_s)
+        if self.received < floor:
+            raise ValueError(
+                f"{self.received} bytes in {elapsed_s:.1f}s: slower than"
+                f" {min_bytes_per_s / 1e6:g} MB/s after {grace_s:g}s"
+            )
+
     def _finish_tensor(self) -> None:
         if not self._parts:
             return
