@@ -87,9 +87,9 @@ class Timings:
     relay_mbit: float = 100.0  # cap on a relayed peer's bandwidth, each way (Mbit/s)
     host_cores: int = 2  # cores of a shared host (`PeerGroup.host`) (count)
     # CPU a node spends on each pipeline message it receives outside torch (py-libp2p,
-    # msgpack, trio, device copies), serialised with its compute. Fitted with the next
-    # to four swarms on an H200 box (docs/gpu.md); `--validate` calibrates its own for
-    # CPU peers (0.037-0.039 on the 2-core development box, docs/plan.md) (s)
+    # msgpack, trio, device copies), serialised with its compute. Fitted, together with
+    # msg_cpu_s_per_mb, to four swarms on an H200 box (docs/gpu.md); `--validate`
+    # calibrates its own for CPU peers (0.037-0.039 on the 2-core box, docs/plan.md) (s)
     msg_cpu_s: float = 0.08
     # CPU per MB of a pipeline message, both ends together (encode, framing, py-libp2p's
     # Noise and Yamux, decode), charged to its receiver's worker like msg_cpu_s (fitted

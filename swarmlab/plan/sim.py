@@ -315,9 +315,9 @@ class SwarmSim:
         p.router.started(q_id)
         req = Req(caller=p, callee=q, mb=mb, parent=parent, sent_at=now, retry=retry)
         nbytes = p.profile.stages[p.stage].fwd_bytes
-        transfer(self.eng, p.link, q.link, nbytes, lambda: self._arrive(req))
+        transfer(self.eng, p.link, q.link, nbytes, lambda: self._arrive(req, nbytes))
 
-    def _arrive(self, req: Req) -> None:
+    def _arrive(self, req: Req, nbytes: float) -> None:
         q = req.callee
         if req.closed:
             return
@@ -327,7 +327,7 @@ class SwarmSim:
         q.serving[req] = None
         c = q.profile.stages[q.stage]
         q.worker.submit(
-            c.fwd_s + self._msg_cpu(req.caller.profile.stages[req.caller.stage].fwd_bytes),
+            c.fwd_s + self._msg_cpu(nbytes),
             lambda: self._forwarded(q, req.mb, req),
             RETRIED if req.retry else FRESH,
         )
@@ -343,9 +343,9 @@ class SwarmSim:
             return
         q, p = req.callee, req.caller
         nbytes = q.profile.stages[q.stage].bwd_bytes
-        transfer(self.eng, q.link, p.link, nbytes, lambda: self._replied(req))
+        transfer(self.eng, q.link, p.link, nbytes, lambda: self._replied(req, nbytes))
 
-    def _replied(self, req: Req) -> None:
+    def _replied(self, req: Req, nbytes: float) -> None:
         if req.closed:
             return
         req.closed = True
@@ -366,7 +366,7 @@ class SwarmSim:
                 self._reply(req.parent)
 
         p.worker.submit(
-            c.bwd_s + self._msg_cpu(q.profile.stages[q.stage].bwd_bytes),
+            c.bwd_s + self._msg_cpu(nbytes),
             backward_done,
             RETRIED if req.retry else BACKWARD,
         )
