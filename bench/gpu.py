@@ -10,8 +10,9 @@ micro-batch and precision (bf16 autocast where the GPU has it, fp32 weights and 
    the device (one stage each, boundary codec `--codec`, fp16 by default, no outer loop,
    so the number is the pipeline's): tokens/s from stage 0's `agora_node_tokens_total`
    over `--seconds` after both trained, the boundary bytes per token both ways
-   (`agora_node_boundary_bytes_total`), and each node's peak device memory
-   (`agora_node_device_peak_bytes`).
+   (`agora_node_boundary_bytes_total`), each node's peak device memory
+   (`agora_node_device_peak_bytes`), and how many of stage 0's micro-batches ran their
+   forward twice (`agora_node_recomputes_total`).
 
 MFU is 6 x parameters x tokens/s over the device's peak dense bf16 FLOP/s (`--peak-tflops`,
 or a table of known GPUs); attention's own FLOPs are left out, so it is a lower bound.
@@ -44,6 +45,7 @@ from swarmlab.swarm import LocalSwarm
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0,
                "RTX 4090": 165.0, "RTX 4080": 97.0, "RTX 3090": 71.0, "RTX 3080": 60.0}  # fmt: skip
 TOKENS = "agora_node_tokens_total"
+RECOMPUTES = "agora_node_recomputes_total"
 DEVICE_PEAK = "agora_node_device_peak_bytes"
 BOUNDARY_BYTES = "agora_node_boundary_bytes_total"
 
@@ -123,15 +125,22 @@ def measure_swarm(args: argparse.Namespace, device: torch.device, workdir: Path)
 
         wait_for(training, "both stages training", args.start_timeout, poll_s=1.0,
                  detail=sw.tails)  # fmt: skip
-        t0, n0, b0 = time.monotonic(), tokens("s0"), boundary_bytes()
+
+        def recomputes() -> float:
+            return sw.scrape("s0").get(RECOMPUTES, 0.0)
+
+        t0, n0, b0, r0 = time.monotonic(), tokens("s0"), boundary_bytes(), recomputes()
         time.sleep(args.seconds)  # the measured window: the pipeline trains meanwhile
-        t1, n1, b1 = time.monotonic(), tokens("s0"), boundary_bytes()
+        t1, n1, b1, r1 = time.monotonic(), tokens("s0"), boundary_bytes(), recomputes()
         peaks = {name: sw.scrape(name).get(DEVICE_PEAK) for name in ("s0", "s1")}
     finally:
         codes = sw.stop()
     return {"tokens_per_s": round((n1 - n0) / (t1 - t0), 1), "seconds": round(t1 - t0, 2),
             "codec": args.codec, "peak_memory_bytes": peaks, "exit_codes": codes,
-            "boundary_bytes_per_token": round((b1 - b0) / max(n1 - n0, 1.0), 1)}  # fmt: skip
+            "boundary_bytes_per_token": round((b1 - b0) / max(n1 - n0, 1.0), 1),
+            # stage 0's backwards that ran the forward again, per micro-batch trained
+            "recomputes_per_micro_batch": round(
+                (r1 - r0) * args.micro_batch * args.seq_len / max(n1 - n0, 1.0), 3)}  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:

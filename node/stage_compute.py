@@ -10,10 +10,11 @@ a bounded activation cache. The trio side calls:
   the next stage. A cache miss (evicted, or a retry served by another replica)
   recomputes the forward from the encoded input the caller still holds (the backward
   message carries it, a few bytes per token, so any live replica can finish the
-  micro-batch; the cache is only the fast path). So does a cache entry older than the
-  last inner step (the weights it was computed with have changed in place): the gradient
-  is then taken at the current weights, against a downstream gradient computed one step
-  earlier.
+  micro-batch; the cache is only the fast path). A cache entry from before the last inner
+  step keeps its graph: the step stashes the weights it saved (`node.weight_stash`), so
+  its backward runs at the weights of its forward (a gradient one step stale). One from
+  before an outer merge, or from before two inner steps, is recomputed at the current
+  weights, against a downstream gradient computed at the old ones.
 - `drop(mb_id)`: forget a micro-batch whose route failed.
 
 Gradients of finished micro-batches accumulate until `inner_batch_tokens` tokens have
@@ -37,6 +38,7 @@ from node.compression import BoundaryCodec
 from node.config import NodeConfig
 from node.inner_step import inner_step
 from node.model import ModelConfig, build_stage, param_groups, run_model_config
+from node.weight_stash import WeightStash
 from protocol.control import MAX_DEVICE_BYTES, DeviceMemory, RunInfo
 from protocol.tensors import EncodedTensor
 
@@ -87,10 +89,15 @@ class StageCompute:
         self._pending_tokens = 0  # tokens whose gradients are accumulated, not yet stepped
         self._pending_mbs = 0
         self.inner_steps = 0
-        self.weights_version = 0  # bumped whenever the weights change in place
+        self.stash = WeightStash(list(self.model.parameters()))
         self.tokens_trained = 0  # tokens this replica has finished backward for
         self.recomputes = 0  # cache misses served by recomputation
         self.skipped_steps = 0  # inner steps skipped for a non-finite gradient norm
+
+    @property
+    def weights_version(self) -> int:
+        """Bumped whenever the weights change in place."""
+        return self.stash.version
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -143,7 +150,7 @@ class StageCompute:
             grad = self._grad_in(x, inputs)
             self._finished(inputs.numel())
             return grad, float(loss.item())
-        with self.compute_precision():
+        with self.compute_precision(), self.stash.hooks():
             out = self.model(x)
         self._cache[mb_id] = (x if not self.is_first else None, out, self.weights_version)
         while self._cache and (
@@ -165,14 +172,15 @@ class StageCompute:
         assert self.codec_out is not None
         g = self.codec_out.decode_backward(grad, inputs).to(self.device)
         cached = self._cache.pop(mb_id, None)
-        if cached is not None and cached[2] == self.weights_version:
+        if cached is not None and self.stash.usable(cached[2]):
             x = inputs if cached[0] is None else cached[0]
             out = cached[1]
         else:
-            # Evicted, or the weights moved since the forward (an inner step ran while
-            # the micro-batch was downstream): recompute at the current weights. The
-            # stale graph is let go first, so a recompute never holds two micro-batches'
-            # activations (on an H200 that made stage 0 peak a fifth above its estimate).
+            # Evicted, or the weights moved since the forward in a way the stash does not
+            # cover (an outer merge, a second inner step): recompute at the current
+            # weights. The stale graph is let go first, so a recompute never holds two
+            # micro-batches' activations (on an H200 that made stage 0 peak a fifth above
+            # its estimate).
             self.recomputes += 1
             metrics.RECOMPUTES.inc()
             kept = cached[0] if cached is not None else None
@@ -192,11 +200,22 @@ class StageCompute:
         return list(self.model.parameters())
 
     def weights_changed(self) -> None:
-        """Call after changing the weights outside `step` (an outer-step merge)."""
-        self.weights_version += 1
+        """Call after changing the weights outside `step` (an outer-step merge): cached
+        graphs of earlier weights are recomputed at their backward."""
+        self.stash.version += 1
+        self.stash.frozen = set()
 
     def _cached_tokens(self) -> int:
         return sum(int(out.shape[0] * out.shape[1]) for _, out, _ in self._cache.values())
+
+    def _stash_cached_graphs(self) -> None:
+        """Before an inner step: the cached graphs of the current weights keep a copy of
+        the parameters they saved; older ones (a stash ago, or unstashed) are let go now
+        and recomputed at their backward, so at most one stashed copy is alive."""
+        version = self.weights_version
+        for mb_id in [k for k, (_, _, v) in self._cache.items() if v != version]:
+            del self._cache[mb_id]
+        self.stash.freeze(version)
 
     def drop(self, mb_id: str) -> None:
         self._cache.pop(mb_id, None)
@@ -213,12 +232,13 @@ class StageCompute:
         self._pending_tokens = 0
         self._pending_mbs = 0
         lr = self.inner.lr * warm
+        self._stash_cached_graphs()
         if not inner_step([self.model], self.opt, lr=lr, grad_clip=self.inner.grad_clip):
             self.skipped_steps += 1
             log.warning("stage: inner step skipped: the gradient norm is not finite")
             return
         self.inner_steps += 1
-        self.weights_version += 1
+        self.stash.version += 1
         if self.device.type == "cuda":
             metrics.DEVICE_PEAK.set(torch.cuda.max_memory_allocated(self.device))
 

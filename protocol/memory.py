@@ -16,6 +16,11 @@ the run organiser picks `stage_layers` with it. `stage_need` names every part
   and the autograd graph keeps the cast, so every micro-batch whose activations are kept
   holds its own copy (2 bytes a matrix parameter each). With `recompute` only the one
   copy of the forward in progress is alive.
+- **Weight stash**: an inner step that runs while micro-batches are downstream first
+  copies the parameters their graphs saved (node/weight_stash.py), so their backwards
+  run at the weights of their forwards: one copy of the blocks' fp32 weights (under bf16
+  autocast the graphs keep the matrices' casts, so only the norm weights), on a stage
+  that keeps more than one micro-batch and does not recompute its blocks.
 - **Activations**: what autograd keeps of each retained micro-batch. Per token and block
   (counted from the tensors `node.model.Block` saves; tests/test_memory.py checks it
   against torch's saved tensors on the CPU): fp32 `4 (11 d + 4 d_ff + heads + 2)` bytes;
@@ -101,6 +106,7 @@ class StageNeed:
     optimizer: int  # bytes: AdamW's two fp32 moments
     buffers: int  # bytes: RoPE tables, subspace basis and frozen embedding
     working_copies: int  # bytes: bf16 autocast casts of the weight matrices
+    stash: int  # bytes: the weights cached graphs saved, copied at an inner step
     activations: int  # bytes: saved tensors of the retained micro-batches
     transient: int  # bytes: the largest of optimizer step, one backward, outer merge
     transient_cause: str  # which of the three `transient` is
@@ -121,6 +127,7 @@ class StageNeed:
             ("optimizer", self.optimizer),
             ("buffers", self.buffers),
             ("bf16 copies", self.working_copies),
+            ("weight stash", self.stash),
             ("activations", self.activations),
             (f"transient ({self.transient_cause})", self.transient),
             ("outer loop", self.outer),
@@ -221,6 +228,10 @@ def _estimate(
     casts = 0
     if s.precision == "bf16":
         casts = CAST_BYTES * matrices * (1 if s.recompute else retained)
+    stash = 0
+    if retained > 1 and not s.recompute:  # blocks' weights the graphs saved, or their norms'
+        saved = layers * (block_params(cfg)[0] if s.precision == "fp32" else 2 * d)
+        stash = WEIGHT_BYTES * saved
     # one block's gradients; with recompute also its recomputed activations, less the
     # input the checkpoint already keeps
     block = block_activation_bytes(cfg, s.precision)
@@ -240,6 +251,7 @@ def _estimate(
         optimizer=ADAM_BYTES * params,
         buffers=stage_buffer_bytes(cfg),
         working_copies=casts,
+        stash=stash,
         activations=retained * tokens * per_token,
         transient=transients[cause],
         outer=0,
