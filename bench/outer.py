@@ -10,11 +10,16 @@ fresh stage retries). Bytes are the wire bytes of pseudo-gradient tensors each m
 (acknowledged) and received, as its `RoundResult` reports them; `compressed` is one whole
 pseudo-gradient in the wire codec. The model column is `bytes_model`, checked against the
 measurement at every measured size, then extended to larger groups.
+`cpu_s_per_member` is the CPU time of a member's outer process, its hivemind children
+and their p2p daemon, from the first member's `begin_round` to its result; with
+`--stagger S` each member begins S seconds after the one before, so the first ones wait
+in matchmaking for the rest, as replicas of a swarm do.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -23,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from node.diloco import DilocoConfig
@@ -87,11 +93,38 @@ def _parser() -> argparse.ArgumentParser:
         "--round-timeout", type=float, default=30.0, help="exchange timeout per round (s)"
     )
     p.add_argument("--model-up-to", type=int, default=64, help="largest group in the model table")
+    p.add_argument(
+        "--stagger",
+        type=float,
+        default=0.0,
+        help="seconds between two members' begin of the round, so the first ones wait in"
+        " matchmaking as in a swarm (default 0: all at once)",
+    )
     return p
 
 
-def _one_round(scheme: str, members: int, numel: int, cfg: OuterConfig) -> list[RoundResult] | None:
-    """One round of a fresh stage of `members` replicas; None when the group split."""
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (an outer process:
+    its DHT and averager children and their p2p daemon)."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += sum(p.cpu_times()[:2])
+    return total
+
+
+def _one_round(
+    scheme: str, members: int, numel: int, cfg: OuterConfig, stagger: float = 0.0
+) -> tuple[list[RoundResult], list[float]] | None:
+    """One round of a fresh stage of `members` replicas, each beginning `stagger` seconds
+    after the one before (replicas of a swarm reach their rounds at different moments):
+    the results and each member's outer-process CPU seconds from the first begin to its
+    result; None when the group split."""
     run = uuid.uuid4().hex[:8]
     links: list[OuterLink] = []
     try:
@@ -107,16 +140,20 @@ def _one_round(scheme: str, members: int, numel: int, cfg: OuterConfig) -> list[
         for link in links[1:]:
             if link.fetch_state(timeout=cfg.state_timeout_s) != 0:
                 raise RuntimeError("a replica could not download the first one's state")
-        for i, link in enumerate(links):
-            work = theta0 - 0.01 * torch.randn(numel, generator=g)
+        works = [theta0 - 0.01 * torch.randn(numel, generator=g) for _ in links]
+        cpu0 = [_tree_cpu_s(link.pid) for link in links]
+        for i, (link, work) in enumerate(zip(links, works, strict=True)):
+            if i:
+                time.sleep(stagger)
             link.begin_round([work], 1000 * (i + 1))
-        wait = 2 * cfg.matchmaking_s + cfg.round_timeout_s + 60.0
+        wait = 2 * cfg.matchmaking_s + cfg.round_timeout_s + stagger * members + 60.0
         results = [link.wait_result(wait) for link in links]
+        cpu = [_tree_cpu_s(link.pid) - c for link, c in zip(links, cpu0, strict=True)]
         if any(r.group_size != members for r in results):
             return None
         if len({r.digest for r in results}) != 1:
             raise RuntimeError(f"{scheme}: members of one group ended with different states")
-        return results
+        return results, cpu
     finally:
         for link in links:
             link.close(timeout=15.0)
@@ -132,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--schemes must name some of {AVERAGINGS}, got {args.schemes!r}")
         if not sizes or min(sizes) < 2:
             raise ValueError(f"--sizes must be group sizes >= 2, got {args.sizes!r}")
+        if not 0.0 <= args.stagger <= 10.0:
+            raise ValueError(f"--stagger must be in [0, 10] seconds, got {args.stagger}")
         if args.numel < 2 * max(sizes):
             raise ValueError(f"--numel must be at least 2 x the largest size, got {args.numel}")
     except ValueError as exc:
@@ -145,28 +184,29 @@ def main(argv: list[str] | None = None) -> int:
             cfg = OuterConfig(
                 compression=args.compression,
                 averaging=scheme,
-                matchmaking_s=max(3.0, 0.75 * r),
+                matchmaking_s=max(3.0, 0.75 * r, 1.5 * args.stagger * (r - 1)),
                 request_timeout_s=1.0,
                 round_timeout_s=args.round_timeout,
                 state_timeout_s=60.0,
                 target_group_size=r,
                 diloco=DilocoConfig(target_tokens=1000 * r * (r + 1) // 2),
             )
-            results = None
+            got = None
             for attempt in range(args.attempts):
                 t0 = time.monotonic()
-                results = _one_round(scheme, r, args.numel, cfg)
+                got = _one_round(scheme, r, args.numel, cfg, args.stagger)
                 print(
                     f"{scheme} R={r} attempt {attempt + 1}: "
-                    + ("group split, retrying" if results is None else "ok")
+                    + ("group split, retrying" if got is None else "ok")
                     + f" ({time.monotonic() - t0:.1f}s)",
                     file=sys.stderr,
                 )
-                if results is not None:
+                if got is not None:
                     break
-            if results is None:
+            if got is None:
                 rows.append({"scheme": scheme, "members": r, "error": "the group split"})
                 continue
+            results, cpu = got
             sent = statistics.mean(x.bytes_out for x in results)
             received = statistics.mean(x.bytes_in for x in results)
             model = bytes_model(scheme, r, compressed)
@@ -183,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                     "model_received_bytes": model["received"],
                     "round_s_median": statistics.median(x.seconds for x in results),
                     "round_s_max": max(x.seconds for x in results),
+                    # CPU of each member's outer process tree (DHT, averager, p2p daemon)
+                    "cpu_s_per_member": statistics.mean(cpu),
                 }
             )
     model_sizes = sorted({2, 3, 4, 6, 8, 16, 32, 64} | set(sizes))
@@ -203,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'scheme':<15}{'R':>3}{'sent MB':>10}{'recv MB':>10}{'(s+r)/C':>9}"
-        f"{'model':>8}{'round s':>9}"
+        f"{'model':>8}{'round s':>9}{'CPU s':>7}"
     )
     for row in rows:
         if "error" in row:
@@ -213,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row['scheme']:<15}{row['members']:>3}{row['sent_bytes'] / 1e6:>10.2f}"
             f"{row['received_bytes'] / 1e6:>10.2f}{row['per_compressed']:>9.2f}"
-            f"{model_ratio:>8.2f}{row['round_s_median']:>9.2f}"
+            f"{model_ratio:>8.2f}{row['round_s_median']:>9.2f}{row['cpu_s_per_member']:>7.2f}"
         )
     print("\nmodel, (sent + received) per replica per round / C:")
     print(f"{'R':>4}" + "".join(f"{s:>16}" for s in AVERAGINGS))
@@ -227,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             "numel": args.numel,
             "compression": args.compression,
             "compressed_bytes": compressed,
+            "stagger_s": args.stagger,
             "measured": rows,
             "model": modelled,
             # group size -> scheme -> bytes sent + received per replica per round:

@@ -47,6 +47,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from node.diloco import DilocoConfig
 from node.outer.all_gather import AllGatherRounds, _Exchange
+from node.outer.paced_leaders import pace
 from node.outer.parts import MAX_ADDRS, NO_METADATA, addrs_ok, checked_gathered
 from node.outer.reduce_scatter import ReduceScatterRounds, _Round
 from node.outer.settings import AVERAGINGS
@@ -229,7 +230,10 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
 
     async def _declare_for_download_periodically(self) -> None:
         """hivemind's declaration of this replica's sharing priority, and beside it the
-        addresses its DHT listens on, for replicas that download state from it."""
+        addresses its DHT listens on, for replicas that download state from it.
+        hivemind starts this task right after it builds its matchmaking, before the first
+        round: the matchmaking's leader search is paced here (`node.outer.paced_leaders`)."""
+        pace(self._matchmaking)
         addrs = asyncio.create_task(self._declare_addrs_periodically())
         try:
             await super()._declare_for_download_periodically()

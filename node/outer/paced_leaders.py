@@ -1,0 +1,61 @@
+"""Paced leader search: hivemind's matchmaking without its DHT busy loop.
+
+While a replica waits for its group, hivemind's `PotentialLeaders` re-reads the group
+key from the DHT whenever its queue of candidate leaders is empty or holds only peers
+that would follow it (`pop_next_leader` sets `update_triggered` each time it looks), and
+`_update_queue_periodically` answers each trigger at once. With nobody to join yet,
+that is one DHT get after another for the whole matchmaking window, as fast as the DHT
+process and the p2p daemon answer: measured on a 2-core box, about 1.2 CPU-seconds per
+second for two replicas of a stage, whatever the stage's size, so each round took most
+of the box away from training for its matchmaking seconds (docs/outer-averaging.md,
+"What a round costs").
+
+`PacedLeaders` leaves hivemind's search as it is and spaces its reads of the group key
+at least `MIN_READ_GAP_S` apart: a follower sees a new leader at most that much later,
+which a matchmaking window of seconds absorbs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from hivemind.averaging.matchmaking import PotentialLeaders
+
+MIN_READ_GAP_S = 0.25  # seconds between two reads of the group key by one replica
+
+
+class _PacedKeys:
+    """A `GroupKeyManager` whose `get_averagers` waits out `gap` since its last call."""
+
+    def __init__(self, keys: Any, gap: float) -> None:
+        self._keys, self._gap, self._last = keys, gap, float("-inf")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._keys, name)
+
+    async def get_averagers(self, *args: Any, **kwargs: Any) -> Any:
+        wait = self._last + self._gap - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._last = time.monotonic()
+        return await self._keys.get_averagers(*args, **kwargs)
+
+
+class PacedLeaders(PotentialLeaders):  # type: ignore[misc]
+    """hivemind's `PotentialLeaders`, its group-key reads at most one per `gap` seconds."""
+
+    gap = MIN_READ_GAP_S
+
+    async def _update_queue_periodically(self, key_manager: Any) -> None:
+        await super()._update_queue_periodically(_PacedKeys(key_manager, self.gap))
+
+
+def pace(matchmaking: Any) -> None:
+    """Give a hivemind `Matchmaking` a `PacedLeaders` in place of its own (before any
+    search has begun: the new one starts empty, as the old one was)."""
+    old = matchmaking.potential_leaders
+    matchmaking.potential_leaders = PacedLeaders(
+        old.peer_id, old.min_matchmaking_time, old.target_group_size
+    )
