@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,21 @@ def test_any_fleet_table_loads_or_is_refused_with_a_value_error(data: dict) -> N
         fleet_from_dict(data)
     except ValueError:
         pass
+
+
+@pytest.mark.parametrize(("children", "weight"), [(0.66, 0.97), (0.5, 0.5), (0.025, 0.025)])
+def test_the_calibration_gives_the_outer_processes_the_weight_that_took_their_cpu(
+    children: float, weight: float
+) -> None:
+    """Two cores, one worker runnable at a time, two background weights w: each runs at
+    full speed up to w = 0.5, and gets 2 w / (1 + 2 w) cores beyond."""
+    from swarmlab.plan.validate import NODE, calibrate
+
+    stored = json.loads((REPO / "docs/plan/validation.json").read_text())["validation"]
+    one = {**stored["measured"]["2x1"]}
+    one["cpu_s_per_s"] = {k: [v[0], children] for k, v in one["cpu_s_per_s"].items()}
+    cal = calibrate(NODE, one, Profile.from_dict(stored["measured"]["profiles"]["2"]), 2)
+    assert cal["node_bg_threads"] == pytest.approx(weight, abs=0.01)
+    w = cal["node_bg_threads"]
+    assert min(w, 2 * w / (1 + 2 * w)) == pytest.approx(children, abs=1e-9)
+    assert 0.03 < cal["msg_cpu_s"] < 0.05  # the stored run's messaging, docs/plan.md

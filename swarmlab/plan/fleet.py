@@ -96,8 +96,10 @@ class Timings:
     # with it: docs/gpu.md) (s per MB)
     msg_cpu_s_per_mb: float = 0.022
     # always-runnable threads each node's outer process and p2p daemon add to a shared
-    # host (count): on this machine one, the validation's 2 x 1 swarm shows (docs/scale.md)
-    node_bg_threads: float = 1.0
+    # host (count). `agora plan --validate` calibrates it on a 2 x 1 swarm; this default
+    # is that calibration on this machine since the outer loop's matchmaking is paced
+    # (0.025 of a core a node; it was 0.66, about one thread, before: docs/scale.md)
+    node_bg_threads: float = 0.025
 
 
 @dataclass(kw_only=True, slots=True)

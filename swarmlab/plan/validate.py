@@ -6,11 +6,11 @@ does not see, and on a two-core machine that decides the throughput:
   calibrated from a real 2 x 1 swarm: each node process's CPU per micro-batch less its
   torch compute, over the two ends of the one hop. 2 x 1 is not among the validated
   shapes.
-- A node's outer process and p2p daemon take whatever CPU is free (measured: together
-  about one core per two nodes whatever the shape, the box always saturated). The
-  simulator counts them as one always-runnable thread per node (`node_bg_threads`),
-  which gives each of the 2 x 1 swarm's outer processes 2/3 of a core while both
-  workers run (measured: 0.66).
+- A node's outer process and p2p daemon take CPU beside it: the simulator counts them
+  as `node_bg_threads` always-runnable threads per node, calibrated on the same 2 x 1
+  swarm from the CPU its outer processes took. When hivemind's leader search spun
+  (before `node.outer.paced_leaders`) that was about one thread a node (0.66 of a core
+  each, measured); paced, far less.
 
 Then each loopback shape (stages x replicas: 2x2, 3x2, 2x3) runs for real
 (`measure.measure_shape`: node defaults but rounds every `outer_every_steps`, so that a
@@ -117,9 +117,17 @@ def compute_per_mb(profile: Profile, node: NodeSettings) -> list[float]:
     return [c.fwd_s + c.bwd_s + c.step_s * share for c in profile.stages]
 
 
-def calibrate(node: NodeSettings, one: dict[str, Any], profile: Profile) -> dict[str, float]:
-    """`msg_cpu_s` from the 2 x 1 swarm `one` (a measure_shape result; `profile`: the
-    2-stage profile), less each received message's per-MB cost (`Timings`' default)."""
+def calibrate(
+    node: NodeSettings, one: dict[str, Any], profile: Profile, cores: int
+) -> dict[str, float]:
+    """From the 2 x 1 swarm `one` (a measure_shape result; `profile`: the 2-stage profile)
+    on `cores` cores:
+    - `msg_cpu_s`, less each received message's per-MB cost (`Timings`' default);
+    - `node_bg_threads`: the runnable weight w that gives each node's outer process and
+      p2p daemon the c cores they took. With one worker runnable at a time (the pipeline
+      alternates) and two background weights, the host is saturated once 1 + 2 w >
+      cores; below that each weight runs at full speed (c = w), above it processor
+      sharing gives it w cores / (1 + 2 w)."""
     mb_rate = one["tokens_per_s"] / (node.micro_batch * node.seq_len)  # micro-batches/s
     compute = compute_per_mb(profile, node)
     received = [profile.stages[1].bwd_bytes, profile.stages[0].fwd_bytes]  # by stage 0, 1
@@ -128,7 +136,9 @@ def calibrate(node: NodeSettings, one: dict[str, Any], profile: Profile) -> dict
         one["cpu_s_per_s"][f"s{s}r0"][0] / mb_rate - compute[s] - per_mb * received[s] / 1e6
         for s in range(2)
     ]
-    return {"msg_cpu_s": max(0.0, sum(extra) / 2)}
+    c = min(0.45 * cores, sum(one["cpu_s_per_s"][f"s{s}r0"][1] for s in range(2)) / 2)
+    w = c if c <= (cores - 1) / 2 else c / (cores - 2 * c)
+    return {"msg_cpu_s": max(0.0, sum(extra) / 2), "node_bg_threads": w}
 
 
 def measure_all(
@@ -166,8 +176,13 @@ def validate(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
     profiles = {k: Profile.from_dict(measured["profiles"][str(k)]) for k in STAGE_COUNTS}
     if "error" in measured["2x1"]:
         raise ValueError(f"the 2x1 calibration swarm failed: {measured['2x1']['error']}")
-    cal = calibrate(NODE, measured["2x1"], profiles[2])
-    timings = Timings(host_cores=os.cpu_count() or 2, msg_cpu_s=cal["msg_cpu_s"])
+    cores = os.cpu_count() or 2
+    cal = calibrate(NODE, measured["2x1"], profiles[2], cores)
+    timings = Timings(
+        host_cores=cores,
+        msg_cpu_s=cal["msg_cpu_s"],
+        node_bg_threads=cal["node_bg_threads"],
+    )
     rows = []
     for name, link in [
         *[(f"{s}x{r}", LOOPBACK) for s, r in SHAPES],
