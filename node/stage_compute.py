@@ -202,8 +202,7 @@ class StageCompute:
     def weights_changed(self) -> None:
         """Call after changing the weights outside `step` (an outer-step merge): cached
         graphs of earlier weights are recomputed at their backward."""
-        self.stash.version += 1
-        self.stash.frozen = set()
+        self.stash.advance(stashed=False)
 
     def _cached_tokens(self) -> int:
         return sum(int(out.shape[0] * out.shape[1]) for _, out, _ in self._cache.values())
@@ -238,7 +237,7 @@ class StageCompute:
             log.warning("stage: inner step skipped: the gradient norm is not finite")
             return
         self.inner_steps += 1
-        self.stash.version += 1
+        self.stash.advance(stashed=True)
         if self.device.type == "cuda":
             metrics.DEVICE_PEAK.set(torch.cuda.max_memory_allocated(self.device))
 

@@ -51,7 +51,7 @@ class WeightStash:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self._storages = {p.untyped_storage().data_ptr() for p in params}
         self._live: weakref.WeakSet[_Saved] = weakref.WeakSet()
-        self.version = 0  # the weights version forwards run at now (set by the owner)
+        self.version = 0  # the weights version forwards run at now (`advance` moves it)
         self.frozen: set[int] = set()  # versions whose live graphs hold copies
         self.copied_bytes = 0  # bytes copied by the last freeze
         self.saved_bytes = 0  # bytes of the other tensors graphs saved, since creation
@@ -86,6 +86,14 @@ class WeightStash:
                 s.tensor, s.frozen = copies[key], True
         self.copied_bytes = sum(c.numel() * c.element_size() for c in copies.values())
         self.frozen = {version}
+
+    def advance(self, *, stashed: bool) -> None:
+        """The weights changed in place: after a `freeze` of the current version (an inner
+        step) that version's graphs stay usable; without one (an outer merge) no earlier
+        graph is."""
+        if not stashed:
+            self.frozen = set()
+        self.version += 1
 
     def usable(self, version: int) -> bool:
         """Whether a graph built at weights `version` may run its backward now."""
