@@ -19,7 +19,6 @@ in matchmaking for the rest, as replicas of a swarm do.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -28,9 +27,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
+from bench.efficiency_ft import cpu_seconds
 from node.diloco import DilocoConfig
 from node.outer.settings import AVERAGINGS, COMPRESSIONS
 from node.outer_link import OuterConfig, OuterLink, RoundResult
@@ -103,21 +102,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and its live descendants (an outer process:
-    its DHT and averager children and their p2p daemon)."""
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            total += sum(p.cpu_times()[:2])
-    return total
-
-
 def _one_round(
     scheme: str, members: int, numel: int, cfg: OuterConfig, stagger: float = 0.0
 ) -> tuple[list[RoundResult], list[float]] | None:
@@ -141,14 +125,14 @@ def _one_round(
             if link.fetch_state(timeout=cfg.state_timeout_s) != 0:
                 raise RuntimeError("a replica could not download the first one's state")
         works = [theta0 - 0.01 * torch.randn(numel, generator=g) for _ in links]
-        cpu0 = [_tree_cpu_s(link.pid) for link in links]
+        cpu0 = [cpu_seconds(link.pid) for link in links]
         for i, (link, work) in enumerate(zip(links, works, strict=True)):
             if i:
                 time.sleep(stagger)
             link.begin_round([work], 1000 * (i + 1))
         wait = 2 * cfg.matchmaking_s + cfg.round_timeout_s + stagger * members + 60.0
         results = [link.wait_result(wait) for link in links]
-        cpu = [_tree_cpu_s(link.pid) - c for link, c in zip(links, cpu0, strict=True)]
+        cpu = [cpu_seconds(link.pid) - c for link, c in zip(links, cpu0, strict=True)]
         if any(r.group_size != members for r in results):
             return None
         if len({r.digest for r in results}) != 1:
