@@ -1,14 +1,16 @@
 """`agora bench convergence`: centralised baseline vs the swarm at equal tokens, per seed.
 
 For each of `--seeds N` seeds (`--seed`, `--seed`+1, ...), on the same model preset,
-corpus (`--dataset`) and held-out set:
-1. **swarm**: a real coordinator (run seed = the seed) and 2 stages x 2 replicas on
-   loopback (`LocalSwarm`), `subspace_int4` boundaries, DiLoCo outer rounds with the
-   node's defaults unless a flag says otherwise, trained until the coordinator has
-   committed `--tokens`, then drained;
-2. **swarm + churn**: the same, but a replica is SIGKILLed and a fresh node started in
-   its place `--kills` times (stage 0 first, then stage 1, ...) during the run;
-3. **central**: one `node.baseline.train` run (model and data seed = the seed) of as many
+corpus (`--dataset`) and held-out set, each of the `--runs` kinds
+(bench/convergence_swarm.py runs the swarms):
+1. **swarm**: a real coordinator (run seed = the seed) and `--stages` x `--replicas`
+   nodes (2 x 2) on loopback, `--codec` boundaries (`subspace_int4`), DiLoCo outer rounds
+   with the node's defaults unless a flag says otherwise (`--outer-every-steps 0`: none),
+   trained until the coordinator has committed `--tokens`, then drained;
+2. **churn**: the same, but a replica is SIGKILLed and a fresh node started in its place
+   `--kills` times (stage 0 first, then stage 1, ...) during the run;
+3. **4stage**: the swarm run with 4 stages;
+4. **central**: one `node.baseline.train` run (model and data seed = the seed) of as many
    steps as the largest committed count of this seed's swarm runs needs, its held-out
    loss evaluated at the step nearest to each swarm run's own committed tokens
    (bench/convergence_stats.py), so every swarm run is compared at its own token count.
@@ -17,7 +19,8 @@ A swarm's model is evaluated the way a user would get it: every node writes its 
 theta_g to its own `--checkpoint-dir`, `node.export` assembles the newest state of each
 stage, and `node.baseline.evaluate_weights` computes the held-out loss on the same
 batches the central run is evaluated on. Each gap is `100 (swarm - central) / central`;
-the JSON has each seed's gap and their mean with a two-sided 95 % Student t interval.
+the JSON has each seed's gap and their mean with a two-sided 95 % Student t interval,
+per run kind (`gap_pct_*`, `gap_churn_pct_*`, `gap_4stage_pct_*`).
 The traffic numbers come from the nodes' Prometheus metrics (the last scrape of a killed
 node counts): `outer_bytes` is the sum of `agora_node_outer_bytes_total` (pseudo-gradient
 bytes sent), `outer_state_bytes` of the global-state bytes the outer processes served to
@@ -35,11 +38,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,28 +53,23 @@ from bench.convergence_stats import (
     heldout_split,
     mean_interval,
 )
-from bench.outer_tally import OuterTally
-from node.baseline import TrainConfig, evaluate_weights
+from bench.convergence_swarm import STDLIB, SwarmRun, Topology, ddp_bytes, run_swarm, say
+from node.baseline import TrainConfig
 from node.config import NodeConfig
 from node.data import Dataset, load_dataset
-from node.export import export_checkpoints
-from node.model import build_stage, load_export, preset
-from protocol.corpus import DEFAULT_HELDOUT_EVERY
+from node.model import preset
+from protocol.tensors import CODECS
 from swarmlab.procs import workdir_path
-from swarmlab.swarm import LocalSwarm
 
-STAGES = 2
-REPLICAS = 2
-CODEC = "subspace_int4"
-STDLIB = "stdlib"
-SWARM_RUNS = (("swarm", False), ("churn", True))  # JSON key, churn
-STATE_OUT = 'agora_node_outer_state_bytes_total{direction="out"}'
-SCRAPED = (
-    "agora_node_outer_bytes_total",
-    STATE_OUT,
-    "agora_node_tokens_total",
-    "agora_node_outer_steps_total",
-)
+RUN_KINDS = ("swarm", "churn", "4stage")  # the swarm runs `--runs` may name, in run order
+SUFFIX = {"swarm": "", "churn": "_churn", "4stage": "_4stage"}  # of each kind's JSON keys
+FOUR = 4  # stages of the 4stage run
+
+
+def topology(args: argparse.Namespace, kind: str) -> Topology:
+    """The shape of a run kind: the flags' stages x replicas, 4 stages for `4stage`."""
+    stages = FOUR if kind == "4stage" else args.stages
+    return Topology(stages=stages, replicas=args.replicas, codec=args.codec, churn=kind == "churn")
 
 
 def _node_default(name: str) -> Any:
@@ -85,9 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="agora bench convergence",
         description="Held-out loss of the centralised baseline and of a 2-stage x 2-replica"
-        " swarm (subspace_int4, DiLoCo), without and with churn, each swarm run against the"
-        " central run at its own committed tokens, over several seeds; outer-step bytes"
-        " against a per-step fp32 all-reduce.",
+        " swarm (subspace_int4, DiLoCo), without and with churn, and with 4 stages, each swarm"
+        " run against the central run at its own committed tokens, over several seeds;"
+        " outer bytes against a per-step fp32 all-reduce. --stages, --replicas, --codec and"
+        " --outer-every-steps 0 take the swarm apart.",
     )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument(
@@ -111,7 +107,10 @@ def _parser() -> argparse.ArgumentParser:
         help="tokens per inner step per replica (default: central batch / replicas)",
     )  # fmt: skip
     p.add_argument(
-        "--outer-every-steps", type=int, default=25, help="inner steps per round (default 25)"
+        "--outer-every-steps",
+        type=int,
+        default=25,
+        help="inner steps per round (default 25; 0: no outer loop)",
     )
     p.add_argument(
         "--outer-compression", default=None, choices=("none", "fp16", "uint8"),
@@ -128,6 +127,12 @@ def _parser() -> argparse.ArgumentParser:
         help="robust aggregation of outer rounds (clipping, the pair bound; default: the"
         " node's, on); off: the plain weighted mean, to measure what robustness costs",
     )  # fmt: skip
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    p.add_argument("--replicas", type=int, default=2, help="replicas per stage (default 2)")
+    p.add_argument(
+        "--codec", default="subspace_int4", choices=CODECS,
+        help="boundary codec between stages (default subspace_int4; raw: uncompressed)",
+    )  # fmt: skip
     p.add_argument("--kills", type=int, default=2, help="kill+join events in the churn run")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches")
     p.add_argument(
@@ -136,8 +141,9 @@ def _parser() -> argparse.ArgumentParser:
         " held-out shard: for tuning), test (1st, 3rd, ...: disjoint from validation)",
     )  # fmt: skip
     p.add_argument(
-        "--runs", default="central,swarm,churn",
-        help="comma-separated subset of central, swarm, churn (default all)",
+        "--runs", default="central,swarm,churn,4stage",
+        help="comma-separated subset of central, swarm, churn (the swarm with kills), 4stage"
+        " (the swarm with 4 stages) (default all)",
     )  # fmt: skip
     p.add_argument("--workdir", type=workdir_path, default="bench-convergence", help="logs, state")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per swarm run")
@@ -150,190 +156,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclass
-class SwarmRun:
-    eval_loss: float
-    tokens_committed: int
-    tokens_trained: int  # stage-0 tokens through the pipeline (re-trained ones included)
-    outer_bytes: float
-    outer_state_bytes: float  # global-state bytes served to other replicas
-    outer_wire: dict[str, Any]  # OuterTally.stop(): every outer byte, and any bypass
-    inner_steps: dict[int, float]  # stage -> inner steps summed over its replicas
-    outer_rounds: float  # outer steps applied, summed over nodes
-    seconds: float
-    audit_clean: bool
-    rounds: dict[int, int]  # stage -> round of the exported state
-    events: list[str] = field(default_factory=list)
-
-
-def _node_config(args: argparse.Namespace, inner_tokens: int) -> dict[str, Any]:
-    """The nodes' `[node]` settings; None (an option not given) leaves the node default."""
-    return {
-        "micro_batch": args.micro_batch,
-        "seq_len": args.seq_len,
-        "inner_batch_tokens": inner_tokens,
-        "lr": args.lr,
-        "warmup_steps": args.warmup,
-        "outer_every_steps": args.outer_every_steps,
-        "outer_compression": args.outer_compression,
-        "checkpoint_every_rounds": 1,
-        "outer_participation_power": args.participation_power,
-        "outer_lr": args.outer_lr,
-        "outer_momentum": args.outer_momentum,
-        "outer_robust": None if args.outer_robust is None else args.outer_robust == "on",
-    }
-
-
-def run_config(args: argparse.Namespace, dataset: Dataset, seed: int) -> dict[str, Any]:
-    """The coordinator's run.toml keys beyond `LocalSwarm`'s: the run seed, and the corpus
-    cut into the same shards as `dataset` (the central run's), so the held-out shards the
-    swarm never trains on are the ones every model is evaluated on."""
-    source = args.dataset if args.dataset == STDLIB else str(Path(args.dataset).resolve())
-    shards = dataset.manifest.train + dataset.manifest.heldout
-    return {
-        "seed": seed,
-        "dataset": source,
-        "text_column": args.text_column,
-        "shard_tokens": max(s.tokens for s in shards),
-        "heldout_every": DEFAULT_HELDOUT_EVERY,
-    }
-
-
-def _say(quiet: bool, text: str) -> None:
-    if not quiet:
-        print(text, flush=True)
-
-
-def run_swarm(
-    args: argparse.Namespace, dataset: Dataset, inner_tokens: int, *, churn: bool, seed: int
-) -> SwarmRun:
-    label = "churn" if churn else "swarm"
-    workdir = args.workdir / f"seed{seed}" / label
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
-    swarm = LocalSwarm(
-        workdir=workdir, preset=args.preset, stages=STAGES, codec=CODEC,
-        run_config=run_config(args, dataset, seed),
-    )  # fmt: skip
-    ckpt: dict[str, Path] = {}
-    last: dict[str, dict[str, float]] = {}  # node -> last scraped metrics
-    label = f"{label} seed {seed}"
-
-    def add(name: str, stage: int) -> None:
-        ckpt[name] = workdir / "ckpt" / name
-        values = _node_config(args, inner_tokens) | tally.node_settings(name)
-        config = str(swarm.write_node_config(name, **values))
-        swarm.add_node(name, stage, "--config", config, "--checkpoint-dir", str(ckpt[name]))
-
-    def scrape() -> None:
-        for name, proc in swarm.nodes.items():
-            if proc.alive():
-                got = swarm.scrape(name)
-                if got:
-                    last[name] = {k: got.get(k, 0.0) for k in SCRAPED}
-
-    events: list[str] = []
-    kill_at = [args.tokens * (i + 1) / (args.kills + 1) for i in range(args.kills)] if churn else []
-    t0 = time.monotonic()
-    names = {0: ["s0-a", "s0-b"], 1: ["s1-a", "s1-b"]}
-    fresh = [f"s{i % STAGES}-{chr(ord('c') + i // STAGES)}" for i in range(len(kill_at))]
-    tally = OuterTally.start(workdir, [*names[0], *names[1], *fresh])
-    try:
-        swarm.start_coordinator()
-        for stage, ns in names.items():
-            for n in ns:
-                add(n, stage)
-        deadline = t0 + args.run_timeout
-        committed, next_id = 0, 0
-        while committed < args.tokens:
-            if time.monotonic() > deadline:
-                tails = "\n".join(f"--- {n}:\n{p.tail(8)}" for n, p in swarm.nodes.items())
-                raise TimeoutError(
-                    f"{label}: {committed} of {args.tokens} tokens after {args.run_timeout:.0f}s"
-                    f"\n{tails}"
-                )
-            time.sleep(2.0)
-            for proc in swarm.nodes.values():
-                if not proc.alive() and proc.popen.returncode not in (-9, 0):
-                    raise RuntimeError(f"node {proc.name} crashed:\n{proc.tail(30)}")
-            try:
-                committed = swarm.status().committed_tokens
-            except Exception:  # the coordinator is busy; try again next poll
-                continue
-            scrape()
-            _say(args.quiet, f"  [{label} {time.monotonic() - t0:5.0f}s] committed {committed:,}")
-            if kill_at and committed >= kill_at[0]:
-                kill_at.pop(0)
-                stage = next_id % STAGES
-                victim, joiner = names[stage][1], fresh[next_id]
-                swarm.nodes[victim].signal(signal.SIGKILL)
-                swarm.nodes[victim].popen.wait(10)
-                add(joiner, stage)
-                names[stage][1] = joiner
-                next_id += 1
-                events.append(f"{committed} tokens: killed {victim}, started {joiner}")
-                _say(args.quiet, f"  >>> {events[-1]}")
-        scrape()
-        tally.check()
-        codes = swarm.stop_nodes(timeout_s=120.0)
-        swarm.stop_coordinator()
-    finally:
-        swarm.kill_all()
-        wire = tally.stop()
-    seconds = time.monotonic() - t0
-    bad = {n: c for n, c in codes.items() if c not in (0, -9)}
-    if bad:
-        raise RuntimeError(f"{label}: nodes exited badly {bad}")
-    audit = swarm.audit()
-    # every data epoch's commits (the status counts only the current epoch's, which
-    # restarts at 0 when a small corpus is used up)
-    committed = audit.committed_tokens
-    if committed < 1:
-        raise RuntimeError(f"{label}: the swarm committed no tokens (audit: {audit.epochs})")
-    export_dir = workdir / "export"
-    # a node killed before its first applied round never wrote a checkpoint
-    got = export_checkpoints([d for d in ckpt.values() if d.is_dir()], export_dir)
-    config, tensors = load_export(export_dir)
-    loss = evaluate_weights(
-        config, tensors, dataset,
-        batch_size=args.batch_size, seq_len=args.seq_len, n_batches=args.eval_batches,
-    )  # fmt: skip
-    steps: dict[int, float] = {s: 0.0 for s in range(STAGES)}
-    for name, m in last.items():
-        steps[int(name[1])] += m["agora_node_tokens_total"] / inner_tokens
-    return SwarmRun(
-        eval_loss=loss,
-        tokens_committed=committed,
-        tokens_trained=_stage0_trained(swarm, last),
-        outer_bytes=sum(m["agora_node_outer_bytes_total"] for m in last.values()),
-        outer_state_bytes=sum(m[STATE_OUT] for m in last.values()),
-        outer_wire=wire,
-        inner_steps=steps,
-        outer_rounds=sum(m["agora_node_outer_steps_total"] for m in last.values()),
-        seconds=seconds,
-        audit_clean=audit.clean,
-        rounds=got.rounds,
-        events=events,
-    )
-
-
-def ddp_bytes(preset_name: str, seed: int, inner_steps: dict[int, float]) -> float:
-    """Bytes a ring all-reduce of fp32 gradients at every inner step would have sent."""
-    cfg = preset(preset_name).replace(seed=seed)
-    ring = 2 * (REPLICAS - 1) / REPLICAS
-    total = 0.0
-    for s, steps in inner_steps.items():
-        numel = sum(p.numel() for p in build_stage(cfg, s, STAGES).parameters())
-        total += steps * ring * 4 * numel
-    return total
-
-
-def _swarm_json(args: argparse.Namespace, r: SwarmRun, seed: int) -> dict[str, Any]:
-    ddp = ddp_bytes(args.preset, seed, r.inner_steps)
+def _swarm_json(
+    args: argparse.Namespace, r: SwarmRun, shape: Topology, seed: int
+) -> dict[str, Any]:
+    ddp = ddp_bytes(args.preset, seed, shape, r.inner_steps)
     counted = r.outer_bytes + r.outer_state_bytes
     total = r.outer_wire["outer_wire_bytes"]
     return {
+        "stages": shape.stages,
+        "replicas": shape.replicas,
         "eval_loss": r.eval_loss,
         "tokens_committed": r.tokens_committed,
         "tokens_trained": r.tokens_trained,
@@ -359,7 +190,7 @@ def run_central(
     {"steps", "tokens", "seconds", "at": {count: {"step", "tokens", "eval_loss"}}}."""
     at = central_steps(counts, batch)
     steps = max(at.values())
-    _say(args.quiet, f"central seed {seed}: {steps} steps of {batch} tokens, evaluated at"
+    say(args.quiet, f"central seed {seed}: {steps} steps of {batch} tokens, evaluated at"
                      f" {sorted(set(at.values()))}")  # fmt: skip
     cfg = TrainConfig(
         preset=args.preset, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -381,14 +212,38 @@ def _interval_json(key: str, iv: Interval | None) -> dict[str, Any]:
     return {f"{key}_mean": iv.mean, f"{key}_ci_low": iv.low, f"{key}_ci_high": iv.high}
 
 
+def _problem(args: argparse.Namespace, runs: set[str]) -> str | None:
+    """What is wrong with the arguments, for people; None when nothing is."""
+    if not runs or not runs <= {"central", *RUN_KINDS}:
+        return f"bad --runs {args.runs!r}: choose from central, {', '.join(RUN_KINDS)}"
+    if args.seeds < 1:
+        return f"--seeds must be >= 1, got {args.seeds}"
+    if args.stages < 2:  # the coordinator's rule
+        return (
+            f"--stages must be >= 2 (a pipeline; one stage is `agora baseline`), got {args.stages}"
+        )
+    if args.replicas < 1:
+        return f"--replicas must be >= 1, got {args.replicas}"
+    if args.outer_every_steps < 0:
+        return f"--outer-every-steps must be >= 0, got {args.outer_every_steps}"
+    if "churn" in runs and args.replicas < 2:
+        return "the churn run kills a replica: it needs --replicas >= 2 (or leave churn out)"
+    layers = preset(args.preset).n_layers
+    most = max([args.stages] + ([FOUR] if "4stage" in runs else []))
+    if most > layers:
+        return f"preset {args.preset!r} has {layers} layers, too few for {most} stages"
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     runs = set(args.runs.split(","))
-    if not runs <= {"central", "swarm", "churn"} or not runs:
-        print(f"agora bench convergence: bad --runs {args.runs!r}", file=sys.stderr)
-        return 2
-    if args.seeds < 1:
-        print(f"agora bench convergence: --seeds must be >= 1, got {args.seeds}", file=sys.stderr)
+    try:
+        problem = _problem(args, runs)
+    except ValueError as exc:  # an unknown preset
+        problem = str(exc)
+    if problem is not None:
+        print(f"agora bench convergence: {problem}", file=sys.stderr)
         return 2
     torch.set_num_threads(int(os.environ.get("AGORA_TORCH_THREADS", "1")))
     try:
@@ -403,7 +258,7 @@ def main(argv: list[str]) -> int:
         return 2
     central_tokens = args.batch_size * args.seq_len
     inner_tokens = args.inner_batch_tokens or max(args.micro_batch * args.seq_len,
-                                                  central_tokens // REPLICAS)  # fmt: skip
+                                                  central_tokens // args.replicas)  # fmt: skip
     seeds = list(range(args.seed, args.seed + args.seeds))
     out: dict[str, Any] = {
         "preset": args.preset,
@@ -414,9 +269,9 @@ def main(argv: list[str]) -> int:
         "eval_tokens": int(evalset.heldout.numel()),
         "seeds": seeds,
         "tokens_target": args.tokens,
-        "stages": STAGES,
-        "replicas": REPLICAS,
-        "codec": CODEC,
+        "stages": args.stages,
+        "replicas": args.replicas,
+        "codec": args.codec,
         "outer_compression": args.outer_compression or _node_default("outer_compression"),
         "outer_compression_source": "flag" if args.outer_compression else "node default",
         "outer_every_steps": args.outer_every_steps,
@@ -435,20 +290,21 @@ def main(argv: list[str]) -> int:
     try:
         for seed in seeds:
             row: dict[str, Any] = {"seed": seed}
-            for key, churn in SWARM_RUNS:
+            for key in RUN_KINDS:
                 if key in runs:
-                    _say(args.quiet, f"{key} seed {seed}: 2 stages x 2 replicas, {args.tokens:,}")
-                    r = run_swarm(args, evalset, inner_tokens, churn=churn, seed=seed)
-                    row[key] = _swarm_json(args, r, seed)
+                    shape = topology(args, key)
+                    say(args.quiet, f"{key} seed {seed}: {shape.describe()}, {args.tokens:,}")
+                    r = run_swarm(args, evalset, inner_tokens, shape, key=key, seed=seed)
+                    row[key] = _swarm_json(args, r, shape, seed)
             if "central" in runs:
                 # Equal tokens: each swarm run against the central run at its own committed
                 # count (the swarm overshoots --tokens by up to a round plus the drain; a
                 # churn run commits fewer than it trains). Without a swarm run: --tokens.
-                counts = [row[k]["tokens_committed"] for k, _ in SWARM_RUNS if k in row]
+                counts = [row[k]["tokens_committed"] for k in RUN_KINDS if k in row]
                 row["central"] = run_central(
                     args, evalset, seed, counts or [args.tokens], central_tokens
                 )
-                for k, _ in SWARM_RUNS:
+                for k in RUN_KINDS:
                     if k in row:
                         ref = row["central"]["at"][row[k]["tokens_committed"]]
                         row[k]["tokens_central"] = ref["tokens"]
@@ -473,11 +329,12 @@ def main(argv: list[str]) -> int:
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-seed lists and mean / 95 % interval of each swarm run kind's gap and traffic
-    ratio (`gap_pct_*` fault-free, `gap_churn_pct_*` with churn; ci None with one seed),
-    and its outer and DDP-equivalent bytes summed over the seeds."""
+    ratio (`gap_pct_*` fault-free, `gap_churn_pct_*` with churn, `gap_4stage_pct_*` with 4
+    stages; ci None with one seed), and its outer and DDP-equivalent bytes summed over
+    the seeds."""
     out: dict[str, Any] = {}
-    for key, churn in SWARM_RUNS:
-        sfx = "_churn" if churn else ""
+    for key in RUN_KINDS:
+        sfx = SUFFIX[key]
         done = [r[key] for r in rows if key in r]
         gaps = [d["gap_pct"] for d in done if "gap_pct" in d]
         if gaps:
@@ -492,35 +349,22 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _stage0_trained(swarm: LocalSwarm, last: dict[str, dict[str, float]]) -> int:
-    """Tokens the stage-0 nodes trained: from each one's `left` event (which counts the
-    windows a drain trains after the last scrape), else its last scraped counter."""
-    total = 0
-    for name in swarm.nodes:
-        if name[1] != "0":
-            continue
-        left = swarm.events(name, "left")
-        if left:
-            total += int(left[-1]["tokens_trained"])
-        else:
-            total += int(last.get(name, {}).get("agora_node_tokens_total", 0))
-    return total
-
-
 def _table(out: dict[str, Any]) -> None:
     def f(v: Any, fmt: str = "{:.4f}") -> str:
         return "-" if v is None else fmt.format(v)
 
     print(
         f"\nconvergence ({out['preset']}, {out['dataset_name']}, {out['tokens_target']:,} tokens,"
-        f" 2 stages x 2 replicas, outer {out['outer_compression']}, seeds {out['seeds']})"
+        f" {out['stages']} stages x {out['replicas']} replicas, {out['codec']}, outer"
+        f" {out['outer_compression']} every {out['outer_every_steps']} steps,"
+        f" seeds {out['seeds']})"
     )
     print(
         f"{'seed':<6}{'run':<8}{'tokens':>10}{'central':>10}{'swarm':>9}{'gap %':>9}"
         f"{'outer MB':>10}{'state MB':>10}{'wire MB':>10}{'DDP MB':>10}"
     )
     for row in out["runs"]:
-        for key, _ in SWARM_RUNS:
+        for key in RUN_KINDS:
             r = row.get(key)
             if r is None:
                 continue
@@ -531,10 +375,11 @@ def _table(out: dict[str, Any]) -> None:
                 f"{_mb(r['outer_bytes']):>10}{_mb(r['outer_state_bytes']):>10}"
                 f"{_mb(r['outer_bytes_total']):>10}{_mb(r['ddp_equivalent_bytes']):>10}"
             )
-        if "central" in row and not any(k in row for k, _ in SWARM_RUNS):
+        if "central" in row and not any(k in row for k in RUN_KINDS):
             for c, ref in row["central"]["at"].items():
                 print(f"{row['seed']:<6}{'central':<8}{int(c):>10,}{f(ref['eval_loss']):>10}")
-    for label, key in (("swarm", "gap_pct"), ("churn", "gap_churn_pct")):
+    for label in RUN_KINDS:
+        key = f"gap{SUFFIX[label]}_pct"
         if f"{key}_mean" in out:
             lo, hi = out[f"{key}_ci_low"], out[f"{key}_ci_high"]
             ci = "no interval (one seed)" if lo is None else f"95 % CI [{lo:+.2f}, {hi:+.2f}]"

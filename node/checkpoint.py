@@ -282,23 +282,23 @@ class StageCheckpointer:
     def capture(
         self,
         theta_g: torch.Tensor,
-        momentum: torch.Tensor,
+        momentum: torch.Tensor | None,
         round_: int,
         digest: str = "",
         lineage: Sequence[Link] = (),
-    ) -> tuple[CheckpointMeta, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The state (theta_g and the outer momentum, flat) as named tensors ready to
-        write, with its digest and chain (call on the torch worker thread)."""
+    ) -> tuple[CheckpointMeta, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """The state (theta_g and, when there is one, the outer momentum, flat) as named
+        tensors ready to write, with its digest and chain (call on the torch worker)."""
         meta = CheckpointMeta(
             run_id=self.run_id, preset=self.preset, seed=self.seed, stage=self.stage, n_stages=self.n_stages, round=round_,
-            numel=self.numel, momentum=True, created_at=time.time(), digest=digest,
+            numel=self.numel, momentum=momentum is not None, created_at=time.time(), digest=digest,
             lineage=tuple(lineage), vocab_size=self.vocab_size, stage_layers=self.stage_layers,
             tokenizer_hash=self.tokenizer_hash,
         )  # fmt: skip
         return (
             meta,
             split_flat(theta_g, self.names, self.shapes),
-            split_flat(momentum, self.names, self.shapes),
+            None if momentum is None else split_flat(momentum, self.names, self.shapes),
         )
 
     def write(
@@ -319,7 +319,8 @@ class CheckpointHook:
     """The node's side: after an applied round (or at drain, `final`), write the state
     when a checkpoint is due, one write at a time (the round hook and the drain may both
     call). The split runs on the torch worker, the write in a thread. A failed write is
-    logged, never fatal."""
+    logged, never fatal. A node without an outer loop writes its trained weights once,
+    at drain, as round 0 with no momentum."""
 
     def __init__(self, ck: StageCheckpointer, worker: Any) -> None:
         import trio
@@ -335,7 +336,6 @@ class CheckpointHook:
         async with self._lock:
             if not ck.due(final=final) or state.round == ck.last_round:
                 return None  # not due, or this state is on disk already
-            assert state.momentum is not None, "a live outer loop's state has a momentum"
             meta, tensors, momentum = await self.worker.run(
                 ck.capture, state.theta_g, state.momentum, state.round, state.digest, state.lineage
             )

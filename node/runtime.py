@@ -184,6 +184,12 @@ class Node:
                     await self.outer.finish(self.cfg.drain_timeout_s)
                     if self.checkpoint is not None and self.outer.state is not None:
                         await self.checkpoint(self.outer.state, final=True)
+                elif self.checkpoint is not None and self.compute is not None:
+                    # No outer loop, so no rounds: the trained weights are the state.
+                    flat = await self.worker.run(flat_copy, list(self.compute.parameters()))
+                    await self.checkpoint(
+                        GlobalState(theta_g=flat, momentum=None, round=0), final=True
+                    )
                 nursery.cancel_scope.cancel()
         finally:
             await self._leave()

@@ -97,7 +97,11 @@ def test_summarise_reports_each_seed_and_the_interval() -> None:
     assert out["gap_pct_per_seed"] == [1.0, 3.0] and out["gap_pct_mean"] == 2.0
     assert out["outer_bytes_total"] == 10.0 and out["ddp_equivalent_bytes"] == 1000.0
     assert out["gap_pct_ci_low"] < 2.0 < out["gap_pct_ci_high"]
-    assert "gap_churn_pct_mean" not in out
+    assert "gap_churn_pct_mean" not in out and "gap_4stage_pct_mean" not in out
+    four = [r | {"4stage": r["swarm"] | {"gap_pct": 2 * r["swarm"]["gap_pct"]}} for r in rows]
+    got = summarise(four)
+    assert got["gap_4stage_pct_per_seed"] == [2.0, 6.0] and got["gap_4stage_pct_mean"] == 4.0
+    assert got["outer_bytes_total_4stage"] == 10.0 and got["gap_pct_mean"] == 2.0
     one = summarise(rows[:1])
     assert one["gap_pct_ci_low"] is None and one["gap_pct_ci_high"] is None
 
@@ -125,6 +129,16 @@ def test_bad_arguments_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "--seeds must be >= 1" in capsys.readouterr().err
     assert main(["--dataset", str(tmp_path / "missing"), "--runs", "central"]) == 2
     assert "--dataset" in capsys.readouterr().err
+    assert main(["--runs", "swarm,everything"]) == 2
+    assert "bad --runs" in capsys.readouterr().err
+    assert main(["--replicas", "1", "--runs", "central,churn"]) == 2
+    assert "--replicas >= 2" in capsys.readouterr().err
+    assert main(["--stages", "1", "--runs", "swarm"]) == 2
+    assert "--stages must be >= 2" in capsys.readouterr().err
+    assert main(["--stages", "5", "--runs", "swarm"]) == 2  # tiny has 4 layers
+    assert "too few for 5 stages" in capsys.readouterr().err
+    assert main(["--preset", "nope", "--runs", "central"]) == 2
+    assert "nope" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -156,3 +170,30 @@ def test_smoke_swarm_against_central_at_its_own_tokens(tmp_path: Path) -> None:
     assert got["gap_pct_mean"] == swarm["gap_pct"] and got["gap_pct_ci_high"] is None
     run_toml = (tmp_path / "w" / "seed1" / "swarm" / "run.toml").read_text()
     assert "seed = 1" in run_toml
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_alone_no_codec_no_outer_loop(tmp_path: Path) -> None:
+    # The first rung of the attribution ladder: 2 stages x 1 replica, raw boundaries, no
+    # outer loop. Its nodes write their trained weights at drain, which the export reads.
+    out = tmp_path / "p.json"
+    rc = main(
+        [
+            "--runs", "central,swarm", "--seeds", "1", "--tokens", "4096", *SMALL,
+            "--micro-batch", "4", "--stages", "2", "--replicas", "1", "--codec", "raw",
+            "--outer-every-steps", "0", "--dataset", str(corpus(tmp_path)),
+            "--workdir", str(tmp_path / "w"), "--run-timeout", "240", "--json", str(out),
+            "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    got = json.loads(out.read_text())
+    assert (got["stages"], got["replicas"], got["codec"]) == (2, 1, "raw")
+    swarm = got["runs"][0]["swarm"]
+    assert swarm["audit_clean"] and swarm["tokens_committed"] >= 4096
+    assert swarm["export_rounds"] == {"0": 0, "1": 0}  # no outer loop: round 0, trained
+    assert swarm["outer_rounds"] == 0 and swarm["outer_bytes_total"] == 0
+    assert swarm["ddp_equivalent_bytes"] == 0 and swarm["traffic_ratio"] is None
+    # the trained weights, not the initial ones (about ln 256 = 5.5 nats per byte)
+    assert swarm["eval_loss"] < 5.0 and math.isfinite(swarm["gap_pct"])

@@ -73,6 +73,21 @@ def test_round_trip_through_the_checkpointer(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stage1.json", "stage1.safetensors"]
 
 
+def test_a_state_without_momentum_is_written_and_resumed_without_one(tmp_path: Path) -> None:
+    # A node without an outer loop checkpoints its trained weights at drain: round 0, no m.
+    stage = build_stage(CFG, 0, 2)
+    ck = stage_checkpointer(tmp_path, 1, _run(), 0, stage)
+    flat = _flat(stage) - 0.5
+    meta, tensors, momentum = ck.capture(flat, None, 0)
+    assert momentum is None and not meta.momentum
+    got = read_checkpoint(ck.write(meta, tensors, momentum))
+    assert got.momentum is None and got.meta.round == 0
+    names = [n for n, _ in stage.named_parameters()]
+    assert torch.equal(torch.cat([got.tensors[n].flatten() for n in names]), flat)
+    resumed = resume_state(tmp_path, _run(), 0, stage)
+    assert resumed is not None and resumed.momentum is None
+
+
 def test_momentum_is_stored_when_given(tmp_path: Path) -> None:
     t = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
     m = {"a": torch.ones(2, 3)}
