@@ -212,6 +212,18 @@ def _interval_json(key: str, iv: Interval | None) -> dict[str, Any]:
     return {f"{key}_mean": iv.mean, f"{key}_ci_low": iv.low, f"{key}_ci_high": iv.high}
 
 
+def _gaps(run: dict[str, Any], at: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """A swarm run against the central run: at its committed count (`gap_pct`, what the
+    goals are stated in) and at the count its stage 0 trained (`gap_trained_pct`)."""
+    out: dict[str, Any] = {}
+    for count, sfx in (("tokens_committed", ""), ("tokens_trained", "_trained")):
+        ref = at[run[count]]
+        out[f"tokens_central{sfx}"] = ref["tokens"]
+        out[f"eval_loss_central{sfx}"] = ref["eval_loss"]
+        out[f"gap{sfx}_pct"] = 100.0 * (run["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
+    return out
+
+
 def _problem(args: argparse.Namespace, runs: set[str]) -> str | None:
     """What is wrong with the arguments, for people; None when nothing is."""
     if not runs or not runs <= {"central", *RUN_KINDS}:
@@ -299,19 +311,15 @@ def main(argv: list[str]) -> int:
             if "central" in runs:
                 # Equal tokens: each swarm run against the central run at its own committed
                 # count (the swarm overshoots --tokens by up to a round plus the drain; a
-                # churn run commits fewer than it trains). Without a swarm run: --tokens.
-                counts = [row[k]["tokens_committed"] for k in RUN_KINDS if k in row]
+                # churn run commits fewer than it trains), and at the count its stage 0
+                # trained (what its model saw). Without a swarm run: --tokens.
+                done = [k for k in RUN_KINDS if k in row]
+                counts = [row[k][n] for k in done for n in ("tokens_committed", "tokens_trained")]
                 row["central"] = run_central(
                     args, evalset, seed, counts or [args.tokens], central_tokens
                 )
-                for k in RUN_KINDS:
-                    if k in row:
-                        ref = row["central"]["at"][row[k]["tokens_committed"]]
-                        row[k]["tokens_central"] = ref["tokens"]
-                        row[k]["eval_loss_central"] = ref["eval_loss"]
-                        row[k]["gap_pct"] = (
-                            100.0 * (row[k]["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
-                        )
+                for k in done:
+                    row[k].update(_gaps(row[k], row["central"]["at"]))
                 # JSON object keys are strings
                 row["central"]["at"] = {str(c): v for c, v in row["central"]["at"].items()}
             out["runs"].append(row)
@@ -336,10 +344,11 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in RUN_KINDS:
         sfx = SUFFIX[key]
         done = [r[key] for r in rows if key in r]
-        gaps = [d["gap_pct"] for d in done if "gap_pct" in d]
-        if gaps:
-            out[f"gap{sfx}_pct_per_seed"] = gaps
-            out.update(_interval_json(f"gap{sfx}_pct", mean_interval(gaps)))
+        for at in ("", "_trained"):
+            gaps = [d[f"gap{at}_pct"] for d in done if f"gap{at}_pct" in d]
+            if gaps:
+                out[f"gap{sfx}{at}_pct_per_seed"] = gaps
+                out.update(_interval_json(f"gap{sfx}{at}_pct", mean_interval(gaps)))
         ratios = [d["traffic_ratio"] for d in done if d["traffic_ratio"] is not None]
         for name in ("outer_bytes_total", "ddp_equivalent_bytes"):  # summed over the seeds
             if done and all(d[name] is not None for d in done):
@@ -361,7 +370,8 @@ def _table(out: dict[str, Any]) -> None:
     )
     print(
         f"{'seed':<6}{'run':<8}{'tokens':>10}{'central':>10}{'swarm':>9}{'gap %':>9}"
-        f"{'outer MB':>10}{'state MB':>10}{'wire MB':>10}{'DDP MB':>10}"
+        f"{'trained':>10}{'gap %':>9}{'outer MB':>10}{'state MB':>10}{'wire MB':>10}"
+        f"{'DDP MB':>10}"
     )
     for row in out["runs"]:
         for key in RUN_KINDS:
@@ -371,19 +381,20 @@ def _table(out: dict[str, Any]) -> None:
             print(
                 f"{row['seed']:<6}{key:<8}{r['tokens_committed']:>10,}"
                 f"{f(r.get('eval_loss_central')):>10}{f(r['eval_loss']):>9}"
-                f"{f(r.get('gap_pct'), '{:+.2f}'):>9}"
-                f"{_mb(r['outer_bytes']):>10}{_mb(r['outer_state_bytes']):>10}"
+                f"{f(r.get('gap_pct'), '{:+.2f}'):>9}{r['tokens_trained']:>10,}"
+                f"{f(r.get('gap_trained_pct'), '{:+.2f}'):>9}{_mb(r['outer_bytes']):>10}{_mb(r['outer_state_bytes']):>10}"
                 f"{_mb(r['outer_bytes_total']):>10}{_mb(r['ddp_equivalent_bytes']):>10}"
             )
         if "central" in row and not any(k in row for k in RUN_KINDS):
             for c, ref in row["central"]["at"].items():
                 print(f"{row['seed']:<6}{'central':<8}{int(c):>10,}{f(ref['eval_loss']):>10}")
     for label in RUN_KINDS:
-        key = f"gap{SUFFIX[label]}_pct"
-        if f"{key}_mean" in out:
-            lo, hi = out[f"{key}_ci_low"], out[f"{key}_ci_high"]
-            ci = "no interval (one seed)" if lo is None else f"95 % CI [{lo:+.2f}, {hi:+.2f}]"
-            print(f"{label} gap: mean {out[key + '_mean']:+.2f} %, {ci}")
+        for at, what in (("", "committed"), ("_trained", "trained")):
+            key = f"gap{SUFFIX[label]}{at}_pct"
+            if f"{key}_mean" in out:
+                lo, hi = out[f"{key}_ci_low"], out[f"{key}_ci_high"]
+                ci = "no interval (one seed)" if lo is None else f"95 % CI [{lo:+.2f}, {hi:+.2f}]"
+                print(f"{label} gap at {what} tokens: mean {out[key + '_mean']:+.2f} %, {ci}")
 
 
 def _mb(v: Any) -> str:

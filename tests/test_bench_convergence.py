@@ -197,3 +197,6 @@ def test_pipeline_alone_no_codec_no_outer_loop(tmp_path: Path) -> None:
     assert swarm["ddp_equivalent_bytes"] == 0 and swarm["traffic_ratio"] is None
     # the trained weights, not the initial ones (about ln 256 = 5.5 nats per byte)
     assert swarm["eval_loss"] < 5.0 and math.isfinite(swarm["gap_pct"])
+    # also compared at the tokens its stage 0 trained, to half a central batch
+    assert abs(swarm["tokens_central_trained"] - swarm["tokens_trained"]) <= 4 * 64 // 2
+    assert got["gap_trained_pct_per_seed"] == [swarm["gap_trained_pct"]]
