@@ -10,10 +10,12 @@ corpus (`--dataset`) and held-out set, each of the `--runs` kinds
 2. **churn**: the same, but a replica is SIGKILLed and a fresh node started in its place
    `--kills` times (stage 0 first, then stage 1, ...) during the run;
 3. **4stage**: the swarm run with 4 stages;
-4. **central**: one `node.baseline.train` run (model and data seed = the seed) of as many
-   steps as the largest committed count of this seed's swarm runs needs, its held-out
-   loss evaluated at the step nearest to each swarm run's own committed tokens
-   (bench/convergence_stats.py), so every swarm run is compared at its own token count.
+4. **central**: one `node.baseline.train` run (model and data seed = the seed, the
+   nodes' learning rate schedule: constant after warm-up; `--central-schedule cosine`
+   decays it) of as many steps as the largest token count of this seed's swarm runs
+   needs, its held-out loss evaluated at the step nearest to each swarm run's own
+   committed tokens, and to the tokens its stage 0 trained (bench/convergence_stats.py),
+   so every swarm run is compared at its own token count.
 
 A swarm's model is evaluated the way a user would get it: every node writes its stage's
 theta_g to its own `--checkpoint-dir`, `node.export` assembles the newest state of each
@@ -64,6 +66,9 @@ from swarmlab.procs import workdir_path
 RUN_KINDS = ("swarm", "churn", "4stage")  # the swarm runs `--runs` may name, in run order
 SUFFIX = {"swarm": "", "churn": "_churn", "4stage": "_4stage"}  # of each kind's JSON keys
 FOUR = 4  # stages of the 4stage run
+# the central run's learning rate after warm-up, as a fraction of the peak at its last
+# step: constant (the swarm's inner schedule), or cosine decay to 0.1 x
+CENTRAL_FLOOR = {"constant": 1.0, "cosine": 0.1}
 
 
 def topology(args: argparse.Namespace, kind: str) -> Topology:
@@ -101,6 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak inner/central lr (default 2e-3)")
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps, central and inner")
+    p.add_argument(
+        "--central-schedule", default="constant", choices=sorted(CENTRAL_FLOOR),
+        help="the central run's lr after warm-up: constant (default; the nodes' inner"
+        " schedule) or cosine decay to 0.1x over the largest token count compared",
+    )  # fmt: skip
     p.add_argument("--micro-batch", type=int, default=8, help="swarm sequences per micro-batch")
     p.add_argument(
         "--inner-batch-tokens", type=int, default=None,
@@ -195,6 +205,7 @@ def run_central(
     cfg = TrainConfig(
         preset=args.preset, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len,
         lr=args.lr, warmup=args.warmup, seed=seed, eval_every=steps,
+        min_lr_ratio=CENTRAL_FLOOR[args.central_schedule],
         eval_batches=args.eval_batches, threads=1,
     )  # fmt: skip
     losses, seconds = central_losses(cfg, dataset, at.values())
@@ -291,6 +302,7 @@ def main(argv: list[str]) -> int:
         "central_batch_tokens": central_tokens,
         "central_token_match": "committed",
         "lr": args.lr,
+        "central_schedule": args.central_schedule,
         "participation_power": args.participation_power,
         "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum,

@@ -116,6 +116,7 @@ def test_central_runs_at_two_seeds_on_a_user_corpus(tmp_path: Path) -> None:
     assert rc == 0
     got = json.loads(out.read_text())
     assert got["seeds"] == [5, 6] and got["dataset"] == str(data) and got["split"] == "test"
+    assert got["central_schedule"] == "constant"  # the nodes' inner schedule
     assert got["outer_compression"] == NodeConfig.__dataclass_fields__["outer_compression"].default
     assert got["outer_compression_source"] == "node default"
     assert [r["seed"] for r in got["runs"]] == [5, 6]
