@@ -102,6 +102,11 @@ class CoordinatorConfig:
     # (at least two) each caught it in this many distinct outer rounds (coordinator/accuse.py)
     accuse_strikes: int = 3  # rounds
     accuse_window_s: float = 900.0  # seconds an accusation counts
+    # claimed throughput is checked against the work adjacent members witnessed over this
+    # window (coordinator/witness.py); 0 = claims are trusted (seconds)
+    witness_window_s: float = 120.0
+    witness_slack: float = 2.0  # a claim may be this x its stage's median claim/work (ratio)
+    claim_ratio: float = 4.0  # a member younger than a window: x its stage's median (ratio)
     # security and limits
     auth: str = "open"  # open | token | allowlist
     join_token: str = dataclasses.field(default="", repr=False)  # for auth = "token"
@@ -220,6 +225,8 @@ class CoordinatorConfig:
         need(0 < self.max_source_share <= 1, "max_source_share must be in (0, 1]")
         need(self.accuse_strikes >= 1, "accuse_strikes must be >= 1")
         need(self.accuse_window_s > 0, "accuse_window_s must be > 0")
+        need(self.witness_window_s >= 0, "witness_window_s must be >= 0")
+        need(self.witness_slack >= 1 and self.claim_ratio >= 1, "witness_slack, claim_ratio >= 1")
         need(self.max_frame_bytes >= 4096, "max_frame_bytes must be >= 4096")
         need(
             4096 <= self.max_request_bytes <= self.max_frame_bytes,

@@ -312,12 +312,23 @@ class Membership:
         if peer is None:
             return None
         peer.expires_at = now + self.ttl_s
-        if throughput is not None and throughput != peer.throughput:
+        if throughput is not None:
+            self.set_throughput(peer_id, throughput)
+        self.live.move_to_end(peer_id)
+        return peer
+
+    def stage_of(self, peer_id: str) -> int | None:
+        """A live training member's stage; None for anyone else (observers included)."""
+        peer = self.live.get(peer_id)
+        return None if peer is None or peer.observer else peer.stage
+
+    def set_throughput(self, peer_id: str, throughput: float) -> None:
+        """The throughput (tokens/s) counted for a live peer (soft state, like renew)."""
+        peer = self.live.get(peer_id)
+        if peer is not None and throughput != peer.throughput:
             self._account(peer, -1)
             peer.throughput = throughput
             self._account(peer, +1)
-        self.live.move_to_end(peer_id)
-        return peer
 
     def announce(self, peer_id: str, dht_addrs: list[str]) -> None:
         """A live peer's new DHT addresses (versioned: other nodes bootstrap from them)."""

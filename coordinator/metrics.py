@@ -18,7 +18,7 @@ class CoordinatorMetrics:
         self.peers = Gauge("agora_coordinator_peers", "Live peers per stage", ["stage"], registry=r)
         self.stage_throughput = Gauge(
             "agora_coordinator_stage_throughput_tokens_per_second",
-            "Sum of reported peer throughput per stage",
+            "Sum of counted peer throughput per stage (claims checked against witnessed work)",
             ["stage"],
             registry=r,
         )
@@ -34,6 +34,17 @@ class CoordinatorMetrics:
             "Accusations replicas sent, by outcome (recorded, ignored, banned: the accused "
             "was banned by it)",
             ["outcome"],
+            registry=r,
+        )
+        self.witnessed = Gauge(
+            "agora_coordinator_witnessed_tokens",
+            "Tokens of work members reported seeing adjacent members do, since the start",
+            registry=r,
+        )
+        self.capped = Gauge(
+            "agora_coordinator_throughput_capped_peers",
+            "Members counted below their claimed throughput at the last recount (their claim"
+            " is more than the work others witnessed backs)",
             registry=r,
         )
         self.moves = Counter(

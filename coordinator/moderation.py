@@ -15,6 +15,7 @@ from coordinator.journal import Journal
 from coordinator.leases import LeaseBook
 from coordinator.membership import BANNED, Membership, Peer
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.witness import WitnessBook
 from protocol import control as c
 from protocol.message import Message
 
@@ -30,14 +31,22 @@ class Moderation:
     metrics: CoordinatorMetrics
     attest: Attestations
     accusations: Accusations
+    witness: WitnessBook | None
     paused: bool
+
+    def forget_peer(self, peer_id: str) -> None:
+        """A member that left, lapsed or was banned: what it reported and what was
+        reported on it."""
+        self.attest.forget(peer_id)
+        self.accusations.forget(peer_id)
+        if self.witness is not None:
+            self.witness.forget(peer_id)
 
     def ban_peer(self, peer_id: str, now: float, why: str) -> None:
         """Ban `peer_id` from the run (live or not: the ban is recorded either way)."""
         self.book.release_holder(peer_id, now, expired=True)
         peer = self.membership.remove(peer_id, BANNED)
-        self.attest.forget(peer_id)
-        self.accusations.forget(peer_id)
+        self.forget_peer(peer_id)
         if peer is None:  # not live: record the ban anyway
             peer = Peer(peer_id, b"", 0, (), (), "", 0.0, None, None, None, False, now, now)
             peer.state = BANNED

@@ -309,7 +309,7 @@ class CoordinatorServer:
             svc.expire(now)
             if time.monotonic() - last_rebalance >= self.cfg.rebalance_interval_s:
                 last_rebalance = time.monotonic()
-                svc.rebalance()
+                svc.rebalance(now)
             svc.sample_progress(now)
             svc.limiter.prune(now)
             svc.host_limiter.prune(now)
@@ -329,6 +329,8 @@ class CoordinatorServer:
             attested = svc.attested(s)
             m.attested_round.labels(str(s)).set(attested.round if attested else -1)
         m.disagreeing_states.set(svc.attest.disagreeing)
+        if svc.witness is not None:
+            m.witnessed.set(svc.witness.tokens_total)
         for state, n in svc.book.counts().items():
             m.leases.labels(state).set(n)
         m.active_leases.set(len(svc.book.active))

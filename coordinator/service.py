@@ -32,6 +32,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.moderation import Moderation
 from coordinator.placement import MemoryFit
 from coordinator.verify import PeerIds, signature_ok
+from coordinator.witness import WitnessBook
 from protocol import control as c
 from protocol.addrs import owner_problem
 from protocol.codec import schema_limits
@@ -114,6 +115,8 @@ class Service(Moderation):
         self.attest = Attestations()  # replicas' reported states (coordinator/attest.py)
         # what replicas caught each other at (coordinator/accuse.py, coordinator/moderation.py)
         self.accusations = Accusations(strikes=cfg.accuse_strikes, window_s=cfg.accuse_window_s)
+        # claimed throughput checked against witnessed work (coordinator/witness.py)
+        self.witness = WitnessBook.from_config(cfg, started=self.started)
         self._handlers: dict[type[Message], Callable[..., Message]] = {
             c.HeartbeatRequest: self._heartbeat,
             c.MembershipRequest: self._membership,
@@ -272,6 +275,8 @@ class Service(Moderation):
                 log.info("join refused (source %s holds its share) from %s", host, peer_id)
                 return _err("source_share", f"members from {host} hold their share of {where}")
             stage = req.stage if req.stage is not None else self.membership.place(open_to)
+        w = self.witness
+        throughput = req.throughput if w is None else w.admit(peer_id, stage, req.throughput)
         peer = Peer(
             peer_id=peer_id,
             public_key=key,
@@ -279,7 +284,7 @@ class Service(Moderation):
             addrs=tuple(req.addrs),
             dht_addrs=tuple(req.dht_addrs),
             device=req.device,
-            throughput=req.throughput,
+            throughput=throughput,
             deadline=req.deadline,
             metrics_host=None if req.observer else host,  # the source, never a claim
             metrics_port=None if req.observer else req.metrics_port,  # not a scrape target
@@ -330,7 +335,11 @@ class Service(Moderation):
         if req.dht_addrs is not None:
             if (why := owner_problem(req.dht_addrs, peer.peer_id)) is not None:
                 return _err("bad_request", f"dht_addrs: {why}")
-        self.membership.renew(peer.peer_id, now, req.throughput)
+        w = self.witness  # with it on, a heartbeat's claim is checked (coordinator/witness.py)
+        claim = (
+            req.throughput if w is None else w.heartbeat(peer, req, self.membership.stage_of, now)
+        )
+        self.membership.renew(peer.peer_id, now, claim)
         if req.state is not None and not peer.observer:
             self.attest.report(peer.peer_id, peer.stage, (req.state.round, req.state.digest))
         if req.dht_addrs is not None:
@@ -374,8 +383,7 @@ class Service(Moderation):
     def _leave(self, peer: Peer, req: c.LeaveRequest, now: float) -> Message:
         released = self.book.release_holder(peer.peer_id, now, expired=False)
         self.membership.remove(peer.peer_id, LEFT)
-        self.attest.forget(peer.peer_id)
-        self.accusations.forget(peer.peer_id)
+        self.forget_peer(peer.peer_id)
         self.metrics.leaves.labels("left").inc()
         log.info("leave %s (released %d leases)", peer.peer_id, len(released))
         return c.OkReply(detail=f"left; released {len(released)} leases")
@@ -385,8 +393,7 @@ class Service(Moderation):
         dead = self.membership.expire_due(now)
         n = 0
         for p in dead:
-            self.attest.forget(p.peer_id)
-            self.accusations.forget(p.peer_id)
+            self.forget_peer(p.peer_id)
             n += len(self.book.release_holder(p.peer_id, now, expired=True))
             log.info("peer %s lapsed (no heartbeat for %.1fs)", p.peer_id, self.cfg.lease_ttl_s)
         n += len(self.book.expire_due(now))
@@ -396,7 +403,14 @@ class Service(Moderation):
             self.metrics.expired.inc(n)
         return len(dead), n
 
-    def rebalance(self) -> Peer | None:
+    def rebalance(self, now: float) -> Peer | None:
+        """Count each member's throughput from its claim and the work others witnessed
+        (coordinator/witness.py), then move one peer if a stage is clearly behind."""
+        if self.witness is not None:
+            counted = self.witness.recount(self.membership.live.values(), now)
+            for pid, value in counted.items():
+                self.membership.set_throughput(pid, value)
+            self.metrics.capped.set(sum(v < self.witness.claims[p] for p, v in counted.items()))
         moved = self.membership.rebalance(
             self.cfg.rebalance_ratio, lambda pid: pid in self.book.by_holder
         )

@@ -81,6 +81,7 @@ class ClientConfig:
     backoff_max_s: float = 5.0  # seconds, cap of the exponential back-off
     max_frame_bytes: int = 8 << 20  # bytes
     max_membership_pages: int = 1000  # pages one membership refresh may take
+    witness_report_s: float = 15.0  # seconds between reports of work peers did with us
 
 
 class MembershipView:
@@ -137,6 +138,8 @@ class CoordinatorClient:
         self.attested: c.StateRef | None = None  # its stage's, as the last reply said
         self._report_now = trio.Event()  # set by a new state: heartbeat at once
         self._accused: list[c.Accusation] = []  # for the next heartbeat (at most MAX_ACCUSED)
+        self._witnessed: dict[str, int] = {}  # peer -> tokens worked on, not yet reported
+        self._witnessed_at = 0.0  # trio time of the last heartbeat that reported some
 
     @classmethod
     def to(
@@ -271,16 +274,23 @@ class CoordinatorClient:
         self, leases: list[c.LeaseRef] | None = None, throughput: float | None = None
     ) -> c.HeartbeatReply:
         announce, accused = self._announce, list(self._accused)
-        reply = await self._typed(
-            c.HeartbeatRequest(
-                leases=leases or [],
-                throughput=throughput,
-                dht_addrs=announce,
-                state=self.state,
-                accused=accused,
-            ),  # fmt: skip
-            c.HeartbeatReply,
-        )
+        witnessed = self._witnessed_due()
+        try:
+            reply = await self._typed(
+                c.HeartbeatRequest(
+                    leases=leases or [],
+                    throughput=throughput,
+                    dht_addrs=announce,
+                    state=self.state,
+                    accused=accused,
+                    witnessed=witnessed,
+                ),  # fmt: skip
+                c.HeartbeatReply,
+            )
+        except BaseException:
+            for w in witnessed:  # not reported: the next heartbeat carries it
+                self.witness(w.peer, w.tokens)
+            raise
         assert isinstance(reply, c.HeartbeatReply)
         del self._accused[: len(accused)]  # those added meanwhile go in the next one
         self.attested = reply.attested
@@ -315,6 +325,27 @@ class CoordinatorClient:
         if all((x.peer, x.round) != (a.peer, a.round) for x in self._accused):
             self._accused.append(a)
             self._report_now.set()
+
+    def witness(self, peer_id: str, tokens: int) -> None:
+        """Count `tokens` of micro-batches `peer_id` (an adjacent member) worked on with
+        this node, for the next report (coordinator/witness.py)."""
+        if 0 < len(peer_id) <= c.PEER_ID_LEN and tokens > 0:
+            self._witnessed[peer_id] = min(
+                self._witnessed.get(peer_id, 0) + tokens, c.MAX_WITNESSED_TOKENS
+            )
+
+    def _witnessed_due(self) -> list[c.Witnessed]:
+        """What to report in this heartbeat: nothing until `witness_report_s` passed
+        since the last report (a heartbeat without it is byte-identical to the last one,
+        which the coordinator decodes once), then the `MAX_WITNESSED` largest counts."""
+        now = trio.current_time()
+        if not self._witnessed or now - self._witnessed_at < self.cfg.witness_report_s:
+            return []
+        self._witnessed_at = now
+        top = sorted(self._witnessed.items(), key=lambda kv: -kv[1])[: c.MAX_WITNESSED]
+        for peer, _ in top:
+            del self._witnessed[peer]
+        return [c.Witnessed(peer=peer, tokens=tokens) for peer, tokens in top]
 
     def announce_dht(self, addrs: list[str]) -> None:
         """Publish new DHT addresses with the next heartbeat (and in any re-join)."""

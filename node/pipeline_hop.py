@@ -116,6 +116,7 @@ class PipelineHop:
         request_timeout_s: float,  # seconds a downstream stage has for one micro-batch
         max_rows: int,  # sequences a served forward may carry: the run's micro-batch
         events: EventLog | None = None,
+        witness: Callable[[str, int], None] | None = None,  # (peer, tokens) it worked on
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
@@ -126,6 +127,10 @@ class PipelineHop:
         self.request_timeout_s = request_timeout_s
         self.router = peers.router  # the view forgets the peers that left
         self.events = events or EventLog()
+        # the coordinator checks claimed throughput against the work members saw each
+        # other do (coordinator/witness.py): a next-stage peer's replies; at stage 1, also
+        # the forwards served for a stage-0 peer
+        self.witness = witness or (lambda peer, tokens: None)
         self.compute: StageCompute | None = None  # set once the stage is built
         self.built = trio.Event()
         self.tokens_trained = 0  # tokens this stage trained on (forward + backward)
@@ -266,6 +271,7 @@ class PipelineHop:
                 if ok:
                     assert reply is not None
                     self._account(rows)
+                    self.witness(peer, _tokens(rows))
                     if retried:
                         self.events.emit(
                             "forward_rerouted", mb_id=mb_id, peer=peer, failures=failures,
@@ -313,6 +319,8 @@ class PipelineHop:
                 grad, loss = await self.worker.run(compute.forward, key, rows, msg.hidden)  # type: ignore[misc]
             assert grad is not None
             self._account(rows)
+            if compute.model.stage == 1:
+                self.witness(peer_id, _tokens(rows))
             return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=rows.size - rows.shape[0])
         async with self.gate.turn(first):
             hidden = await self.worker.run(compute.forward, key, rows, msg.hidden)
@@ -339,6 +347,9 @@ class PipelineHop:
                 await trio.sleep(RETRY_WAIT_S)
         assert grad_in is not None
         self._account(None)
+        self.witness(peer, _tokens(rows))
+        if compute.model.stage == 1:
+            self.witness(peer_id, _tokens(rows))
         return Backward(mb_id=msg.mb_id, grad=grad_in, loss=reply.loss, tokens=reply.tokens)
 
     # --- accounting ----------------------------------------------------------------------
@@ -347,7 +358,7 @@ class PipelineHop:
         """Trained tokens (where this stage counts them) and the codecs' byte counts into
         the Prometheus counters."""
         if rows is not None:
-            n = rows.shape[0] * (rows.shape[1] - 1)
+            n = _tokens(rows)
             self.tokens_trained += n
             metrics.TOKENS.inc(n)
         assert self.compute is not None
@@ -359,6 +370,11 @@ class PipelineHop:
         wire = counts["wire_fwd"] + counts["wire_bwd"]
         if wire:
             metrics.COMPRESSION.set((counts["raw_fwd"] + counts["raw_bwd"]) / wire)
+
+
+def _tokens(rows: np.ndarray) -> int:
+    """Tokens a block of sequences trains on: one target per position but the first."""
+    return int(rows.shape[0] * (rows.shape[1] - 1))
 
 
 def failure_kind(exc: Exception) -> str:

@@ -136,7 +136,7 @@ class Node:
         peers = self.peers = PeerView(self.transport, self.router, stage=self.stage)
         hop = self.hop = PipelineHop(
             self.transport, peers, self.worker, request_timeout_s=self.cfg.request_timeout_s,
-            max_rows=self.cfg.micro_batch, events=self.events,
+            max_rows=self.cfg.micro_batch, events=self.events, witness=self.client.witness,
         )  # fmt: skip
         self.transport.set_membership(peers.is_member)  # nobody else is ever served
         try:

@@ -229,6 +229,21 @@ class Accusation(Message):
     reason: str = bounded(max_len=MAX_ACCUSATION_TEXT, default="")  # for people
 
 
+MAX_WITNESSED = 64  # members one heartbeat reports work for
+MAX_WITNESSED_TOKENS = 1 << 40  # tokens one entry may report
+
+
+@record
+class Witnessed(Message):
+    """Work an adjacent member did with this one since the last report: the tokens of
+    micro-batches that completed through it (a next-stage member's replies; at stage 1,
+    also the forwards it served for a stage-0 member). The coordinator checks claimed
+    throughput against it (coordinator.witness)."""
+
+    peer: str = bounded(min_len=1, max_len=PEER_ID_LEN)  # the member that did the work
+    tokens: int = bounded(ge=1, le=MAX_WITNESSED_TOKENS)
+
+
 @record
 class StageStatus(Message):
     stage: int = bounded(ge=0)
@@ -305,6 +320,8 @@ class HeartbeatRequest(Message):
     state: StateRef | None = None
     # groupmates caught since the last heartbeat the coordinator answered
     accused: list[Accusation] = bounded(max_len=MAX_ACCUSED, default_factory=list)
+    # work adjacent members did with this one since its last report (a few per minute)
+    witnessed: list[Witnessed] = bounded(max_len=MAX_WITNESSED, default_factory=list)
 
 
 @message("heartbeat.reply", version=1)

@@ -62,6 +62,7 @@ SAMPLES: list[Message] = [
     c.JoinReply(peer_id="12D3Koo", stage=0, run=RUN, membership_version=7),
     c.HeartbeatRequest(leases=[c.LeaseRef(lease_id=3, epoch=2)], throughput=5.0),
     c.HeartbeatRequest(state=c.StateRef(round=4, digest="0a1b")),
+    c.HeartbeatRequest(witnessed=[c.Witnessed(peer="12D3KooWx", tokens=4096)]),
     c.HeartbeatReply(stage=0, attested=c.StateRef(round=2**62, digest="f" * 64)),
     c.HeartbeatReply(
         stage=1,
@@ -127,6 +128,9 @@ def test_every_request_type_has_a_sample() -> None:
         {"t": "join", "v": 1, "memory": {"micro_batch": 0}},
         {"t": "join", "v": 1, "memory": {"precision": "fp8"}},
         {"t": "heartbeat", "v": 1, "leases": [{"lease_id": "1", "epoch": 0}]},
+        {"t": "heartbeat", "v": 1, "witnessed": [{"peer": "p", "tokens": 0}]},
+        {"t": "heartbeat", "v": 1, "witnessed": [{"peer": "", "tokens": 1}]},
+        {"t": "heartbeat", "v": 1, "witnessed": [{"peer": "p", "tokens": 1}] * 65},
         {"t": "shard.data", "v": 1, "shard_id": 1, "sha256": "x", "data": b""},
     ],
 )

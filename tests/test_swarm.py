@@ -33,7 +33,7 @@ import pytest
 from node.config import NodeConfig
 from protocol.identity import NodeKey
 from swarmlab.procs import child_env, workdir_path
-from swarmlab.swarm import LocalSwarm
+from swarmlab.swarm import LocalSwarm, scrape_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 NODES = (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1))
@@ -75,7 +75,7 @@ def assert_alive(swarm: LocalSwarm, names: list[str]) -> None:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     workdir = tmp_path_factory.mktemp("swarm")
-    sw = LocalSwarm(workdir=workdir, preset="tiny", stages=2)
+    sw = LocalSwarm(workdir=workdir, preset="tiny", stages=2, metrics=True)
     pipeline_only = "outer_every_steps" in NodeConfig.__dataclass_fields__
     node_toml = sw.write_node_config(**({"outer_every_steps": 0} if pipeline_only else {}))
     sw.node_args = ["--config", str(node_toml)]
@@ -119,6 +119,19 @@ def test_swarm_trains_and_loss_falls(swarm: LocalSwarm) -> None:
         )
     assert committed(swarm) > 0
     assert_alive(swarm, [n for n, _ in NODES])
+
+
+def test_members_report_the_work_they_saw_each_other_do(swarm: LocalSwarm) -> None:
+    # every node reports, every 15 s, the tokens adjacent members worked on with it; the
+    # coordinator checks claimed throughput against them (coordinator/witness.py)
+    assert swarm.coordinator is not None and swarm.coordinator.metrics_port is not None
+    address = f"127.0.0.1:{swarm.coordinator.metrics_port}"
+    poll(
+        lambda: scrape_metrics(address).get("agora_coordinator_witnessed_tokens", 0.0) > 0,
+        TRAIN_S,
+        "witnessed work reported to the coordinator",
+        swarm,
+    )
 
 
 def test_rogue_peer_is_refused_and_banned(swarm: LocalSwarm, tmp_path: Path) -> None:
