@@ -321,7 +321,7 @@ class PipelineHop:
             self._account(rows)
             if compute.model.stage == 1:
                 self.witness(peer_id, _tokens(rows))
-            return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=rows.size - rows.shape[0])
+            return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=_tokens(rows))
         async with self.gate.turn(first):
             hidden = await self.worker.run(compute.forward, key, rows, msg.hidden)
         assert isinstance(hidden, EncodedTensor)
