@@ -186,6 +186,8 @@ def _swarm_json(
         "ddp_equivalent_bytes": ddp,
         "traffic_ratio": ddp / total if total else None,
         "outer_rounds": r.outer_rounds,
+        "lone_rounds": r.lone_rounds,
+        "carried_rounds": r.carried_rounds,
         "seconds": round(r.seconds, 1),
         "audit_clean": r.audit_clean,
         "export_rounds": r.rounds,

@@ -62,6 +62,10 @@ class SwarmRun:
     outer_wire: dict[str, Any]  # OuterTally.stop(): every outer byte, and any bypass
     inner_steps: dict[int, float]  # stage -> inner steps summed over its replicas
     outer_rounds: float  # outer steps applied, summed over nodes
+    # rounds a node stepped alone, and group rounds whose contribution carried such
+    # rounds (node.outer.parts.carried_view), summed over nodes (`round_applied` events)
+    lone_rounds: int
+    carried_rounds: int
     seconds: float
     audit_clean: bool
     rounds: dict[int, int]  # stage -> round of the exported state
@@ -212,6 +216,7 @@ def run_swarm(
         config, tensors, dataset,
         batch_size=args.batch_size, seq_len=args.seq_len, n_batches=args.eval_batches,
     )  # fmt: skip
+    applied = [e for name in swarm.nodes for e in swarm.events(name, "round_applied")]
     steps: dict[int, float] = {s: 0.0 for s in range(shape.stages)}
     for name, m in last.items():
         steps[stage_of[name]] += m["agora_node_tokens_total"] / inner_tokens
@@ -224,6 +229,8 @@ def run_swarm(
         outer_wire=wire,
         inner_steps=steps,
         outer_rounds=sum(m["agora_node_outer_steps_total"] for m in last.values()),
+        lone_rounds=sum(e["group_size"] == 1 and not e["rebased"] for e in applied),
+        carried_rounds=sum(bool(e.get("carried")) for e in applied),
         seconds=seconds,
         audit_clean=audit.clean,
         rounds=got.rounds,

@@ -11,7 +11,8 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
   micro-batch that failed before completed through `peer` (stage 0)
 - `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
 - `round_applied`: `round`, `group_size`, `tokens`, `seconds`, `rebased`, `contributed`
-  (this replica's pseudo-gradient is in the new state with weight > 0), `joined_early`
+  (this replica's pseudo-gradient is in the new state with weight > 0), `carried` (that
+  contribution also carried the lone rounds since its last group), `joined_early`
   (the round began before `every_steps` to join a replica that was forming a group),
   `digest` (of the state now held), `agreed`, `rejected` (peer id -> why its contribution
   was left out of the group's aggregate)

@@ -51,7 +51,9 @@ state that round made is one the stage agreed on:
   is an ancestor of it: its training is still there and it stays held (another
   replica stepped on top of it); every other held round's training is gone from the
   state, so its windows go back. The round's own contribution may still be in the
-  adopted state (a group merged it).
+  adopted state (a group merged it); when that contribution `carried` the lone rounds
+  since this replica last held a group's state, those are the held rounds off the
+  chain, and they stay held under the round's state instead of going back.
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ class RoundFacts:
     # the group's canonical state when two or more members held it as the round began
     # (None: stepped alone, or no state of the group was held twice)
     agreed: Link | None = None
+    # its contribution carried the lone rounds since the replica last held a group's
+    # state: their training is in the state now held (node.outer.parts.carried_view)
+    carried: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,9 +267,13 @@ class LeasePool:
         back: set[int] = set()
         if facts.adopted:  # held rounds that are not ancestors of the new state are gone
             ancestors = set(facts.lineage)
-            back = {gen for gen, link in self._held.items() if link not in ancestors}
-            for gen in back:
-                del self._held[gen]
+            gone = {gen for gen, link in self._held.items() if link not in ancestors}
+            for gen in gone:
+                if facts.carried and facts.contributed:  # they rode in this round instead
+                    self._held[gen] = (facts.round, facts.digest)
+                else:
+                    del self._held[gen]
+                    back.add(gen)
         if facts.contributed:
             self._held[facts.mark.gen] = (facts.round, facts.digest)
         else:  # the merge dropped this round's training from the working copy

@@ -327,15 +327,17 @@ class OuterRounds:
             self.rounds += 1
             metrics.OUTER_STEPS.inc()
             log.info(
-                "outer: round %d applied (group %d, %d tokens, eta_r %.3f, %.1fs, %d B out%s%s)",
+                "outer: round %d applied (group %d, %d tokens, eta_r %.3f, %.1fs, %d B out%s%s%s)",
                 result.round, result.group_size, result.tokens, result.eta_r, result.seconds,
                 result.bytes_out, ", rebased" if result.rebased else "",
                 "" if result.contributed else ", without our contribution",
+                ", with our lone rounds" if result.carried else "",
             )  # fmt: skip
             self.events.emit(
                 "round_applied", round=result.round, group_size=result.group_size,
                 tokens=result.tokens, seconds=result.seconds, rebased=result.rebased,
-                contributed=result.contributed, joined_early=self._joining,
+                contributed=result.contributed, carried=result.carried,
+                joined_early=self._joining,
                 digest=result.digest, agreed=list(result.agreed) if result.agreed else None,
                 rejected=dict(result.rejected),
             )  # fmt: skip
@@ -363,6 +365,7 @@ class OuterRounds:
             digest=result.digest,
             lineage=tuple(result.lineage),
             agreed=result.agreed,
+            carried=result.carried,
         )
         await self._on_round(await self.worker.run(self.capture), facts)
 

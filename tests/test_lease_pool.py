@@ -43,13 +43,14 @@ def facts(
     sole: bool = False,
     chain: tuple[Link, ...] = (),
     agreed: Link | None = None,
+    carried: bool = False,
 ) -> RoundFacts:
     """A round's facts; `chain` is the lineage of the state held after it (its last entry
     is that state)."""
     head = chain[-1] if chain else (-1, "")
     return RoundFacts(
         mark=mark, applied=applied, contributed=contributed, adopted=adopted, sole=sole,
-        round=head[0], digest=head[1], lineage=chain, agreed=agreed,
+        round=head[0], digest=head[1], lineage=chain, agreed=agreed, carried=carried,
     )  # fmt: skip
 
 
@@ -211,6 +212,26 @@ def test_a_lone_round_then_an_adopted_state_gives_the_lone_rounds_ranges_back() 
         )
     )
     assert spans(verdict.commits) == [(0, 16)] and verdict.rode_in == (3, "b3")
+
+
+def test_lone_rounds_carried_into_a_group_round_stay_held_under_its_state() -> None:
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=24), SHARD)
+    w = pool.take(6)
+    pool.finish(w[:2], final=False)
+    assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1")))).held == 1
+    pool.finish(w[2:4], final=False)
+    assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1"), (2, "a2")))).held == 2
+    pool.finish(w[4:], final=False)
+    # the group stepped S0, the state the lone rounds left, with this replica's whole
+    # progress from it: nothing goes back, and all three rounds wait under the new state
+    theirs = (S0, (1, "b1"))
+    verdict = pool.round_result(facts(pool.snapshot(), adopted=True, chain=theirs, carried=True))
+    assert verdict.returned == [] and verdict.commits == [] and verdict.held == 3
+    verdict = pool.round_result(
+        facts(pool.snapshot(), contributed=False, chain=(*theirs, (2, "b2")), agreed=(1, "b1"))
+    )
+    assert spans(verdict.commits) == [(0, 24)] and verdict.rode_in == (1, "b1")
 
 
 def test_a_lone_round_stays_held_when_the_adopted_state_descends_from_it() -> None:

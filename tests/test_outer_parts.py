@@ -13,6 +13,8 @@ from node.outer.parts import (
     Entry,
     Header,
     audit_choice,
+    canonical_state,
+    carried_view,
     checked_gathered,
     decode_header,
     decode_manifest,
@@ -21,6 +23,7 @@ from node.outer.parts import (
     group_target,
     own_entry_finding,
 )
+from node.outer.settings import MAX_COUNT
 from protocol.codec import packb
 from protocol.errors import ProtocolError
 
@@ -93,7 +96,8 @@ def test_arbitrary_manifests_decode_to_valid_entries_or_raise(obj: list[list[obj
 def test_gathered_metadata_is_checked() -> None:
     good = {
         "round": 3, "digest": "ab", "base_round": 2, "tokens": 10, "target": 40, "ref_norm": 1,
-        "addrs": ["/ip4/10.0.0.2/tcp/4001"],
+        "addrs": ["/ip4/10.0.0.2/tcp/4001"], "carry_round": 1, "carry_digest": "cd",
+        "carry_tokens": 20,
     }  # fmt: skip
     assert checked_gathered(good) == {**good, "ref_norm": 1.0}
     for bad in (
@@ -109,6 +113,11 @@ def test_gathered_metadata_is_checked() -> None:
         {**good, "addrs": ["x" * 257]},
         {**good, "addrs": [""]},
         {**good, "addrs": [7]},
+        {**good, "carry_round": -2},
+        {**good, "carry_tokens": -1},
+        {**good, "carry_tokens": 2**70},
+        {**good, "carry_digest": None},
+        {**good, "carry_digest": "x" * 100},
         {k: v for k, v in good.items() if k != "round"},
         "not a map",
     ):
@@ -184,3 +193,74 @@ def test_a_minority_of_claims_cannot_steer_the_head_or_the_weights(
     assert all(t <= ratio * top for t in tokens)  # no claim counts more than ratio x honest
     assert all(tokens[i] == min(t, tokens[i]) for i, (_, t) in enumerate(honest))
     assert all(s >= 0 for s in stale)
+
+
+def test_the_canonical_state_is_the_most_held_then_the_attested_then_the_newest() -> None:
+    a, b, c = (0, "aa"), (3, "bb"), (1, "cc")
+    assert canonical_state({"x": a, "y": b, "z": b}, attested=a) == (b, ["y", "z"])
+    assert canonical_state({"x": a, "y": b}, attested=a) == (a, ["x"])  # a tie: attested
+    assert canonical_state({"x": a, "y": b, "z": c}) == (b, ["y"])  # then the newest
+    assert canonical_state({"x": (2, "ff"), "y": (2, "ee")}) == ((2, "ee"), ["y"])
+
+
+def gathered_entry(held: tuple[int, str], tokens: int, carry: tuple[int, str, int]) -> dict:
+    return {
+        **NO_METADATA, "round": held[0], "digest": held[1], "base_round": held[0],
+        "tokens": tokens, "carry_round": carry[0], "carry_digest": carry[1],
+        "carry_tokens": carry[2],
+    }  # fmt: skip
+
+
+def test_lone_steps_are_carried_only_into_a_group_that_steps_the_state_they_left() -> None:
+    base, lone = (0, "aa"), (3, "bb")
+    gathered = {
+        "slow": gathered_entry(base, 100, (-1, "", 0)),
+        "lone": gathered_entry(lone, 100, (*base, 300)),
+    }
+    view, carried = carried_view(gathered, base)
+    assert carried == {"lone"} and view["slow"] is gathered["slow"]
+    assert (view["lone"]["round"], view["lone"]["base_round"], view["lone"]["tokens"]) == (
+        0,
+        0,
+        400,
+    )
+    assert view["lone"]["digest"] == "bb"  # what it holds is unchanged
+    head, stale, tokens = group_claims([view["slow"], view["lone"]], 4.0)
+    assert head == 0 and stale == [0, 0] and tokens == [100, 400]  # neither counts as stale
+    # a group that steps the lone state itself, or another state, carries nothing
+    assert carried_view(gathered, lone)[1] == set()
+    assert carried_view(gathered, (0, "zz"))[1] == set()
+    # a declared base without tokens (nothing stepped alone) carries nothing
+    idle = {"m": gathered_entry(lone, 100, (*base, 0))}
+    assert carried_view(idle, base)[1] == set()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    members=st.lists(
+        st.tuples(
+            st.integers(-1, 4), st.sampled_from(["a", "b", ""]), st.integers(0, 10**6),
+            st.integers(-1, 4), st.sampled_from(["a", "b", ""]), st.integers(0, 2**62),
+        ),
+        min_size=1, max_size=8,
+    ),
+    attested=st.one_of(st.none(), st.tuples(st.integers(0, 4), st.sampled_from(["a", "b"]))),
+)  # fmt: skip
+def test_carrying_never_raises_a_claim_past_the_cap_or_moves_a_holder(
+    members: list[tuple[int, str, int, int, str, int]], attested: tuple[int, str] | None
+) -> None:
+    gathered = {
+        i: checked_gathered(gathered_entry((r, d), t, (cr, cd, ct)))
+        for i, (r, d, t, cr, cd, ct) in enumerate(members)
+    }
+    head, holders = canonical_state(
+        {i: (g["round"], g["digest"]) for i, g in gathered.items()}, attested
+    )
+    view, carried = carried_view(gathered, head)
+    assert not carried & set(holders)  # a holder of the stepped state carries nothing
+    for i, g in view.items():
+        assert 0 <= g["tokens"] <= MAX_COUNT
+        if i in carried:
+            assert (g["round"], g["base_round"]) == (head[0], head[0])
+        else:
+            assert g == gathered[i]

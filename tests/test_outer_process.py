@@ -176,6 +176,46 @@ def test_frozen_replica_does_not_hold_the_other_and_is_rebased(
     print(f"frozen-peer bound {bound:.1f}s; A waited {ra.seconds:.2f}s", file=sys.stderr)
 
 
+def test_lone_rounds_ride_in_the_group_round_that_steps_the_state_they_left(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """A steps twice alone from round 0, the attested state, while B (holding round 0 too)
+    is in no round. When they next form a group, the group steps round 0 (one holder
+    each; the attested state breaks the tie) and A adopts the result. A's contribution
+    carries its lone progress from round 0, weighted by the lone rounds' tokens and not
+    counted stale, so what A trained alone is in the stage's state instead of dropped."""
+    run = uuid.uuid4().hex[:8]
+    a = start(links, child_env, run, [])
+    b = start(links, child_env, run, a.dht_addrs())
+    theta0 = params(0, 1.0)
+    a.set_initial_state(theta0)
+    assert b.fetch_state(timeout=15) == 0
+    attested = (0, a.digest)
+    common, lone = params(99, 1.0), params(7, 1.0)
+    for k in (1, 2):  # A's working copy moves along `lone` (and the shared direction)
+        halves = a.theta_g().clone().split(N // 2)
+        a.begin_round([p - 0.01 * (c + q) for p, c, q in zip(halves, common, lone, strict=True)],
+                      100, attested=attested)  # fmt: skip
+        ra = a.wait_result(30)
+        assert ra.applied and ra.group_size == 1 and ra.round == k and not ra.carried, ra
+    theta_lone = a.theta_g().clone()
+    a.begin_round(trained(list(theta_lone.split(N // 2)), 20), 100, attested=attested)
+    b.begin_round(trained(theta0, 21), 100, attested=attested)
+    ra, rb = a.wait_result(40), b.wait_result(40)
+    assert ra.group_size == rb.group_size == 2, (ra, rb)
+    assert ra.carried and ra.rebased and not rb.carried and not rb.rebased, (ra, rb)
+    assert ra.round == rb.round == 1 and ra.digest == rb.digest, (ra, rb)
+    assert ra.tokens == rb.tokens == 400, (ra, rb)  # 2 lone rounds + 2 contributions
+    flat0, u = torch.cat(theta0), torch.cat(lone)
+    u = u / u.norm()
+    # how far each state moved along A's own lone direction (B's, the shared one and
+    # A's group-round one are orthogonal to it up to ~1/sqrt(N)): without the carry the
+    # group's state would not move along it at all
+    moved_alone = float(torch.dot(flat0 - theta_lone, u))
+    moved_group = float(torch.dot(flat0 - b.theta_g(), u))
+    assert moved_alone > 0.0 and moved_group > 0.5 * moved_alone, (moved_alone, moved_group)
+
+
 def test_a_group_with_nothing_to_average_settles_on_the_canonical_state(
     links: list[OuterLink], child_env: dict[str, str]
 ) -> None:

@@ -48,7 +48,14 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 from node.diloco import DilocoConfig
 from node.outer.all_gather import AllGatherRounds, _Exchange
 from node.outer.paced_leaders import pace
-from node.outer.parts import MAX_ADDRS, NO_METADATA, addrs_ok, checked_gathered
+from node.outer.parts import (
+    MAX_ADDRS,
+    NO_METADATA,
+    addrs_ok,
+    canonical_state,
+    carried_view,
+    checked_gathered,
+)
 from node.outer.reduce_scatter import ReduceScatterRounds, _Round
 from node.outer.settings import AVERAGINGS
 from node.outer.state_download import StateDownload, state_digest
@@ -63,6 +70,9 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
 
     `contribution` is the shared flat fp32 buffer: the host writes its delta there before
     `step`, and finds the group's aggregate `D` there after a step that reports `has_delta`.
+    `carry` (shared too, same size) holds the host's lone steps' updates since it last held
+    a group's state (`node.outer.parts.carried_view`): added to the contribution when the
+    group steps that state.
     """
 
     _rpc_handlers = None  # collect this class's own rpc_* handlers, not the base class's
@@ -78,6 +88,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         diloco: DilocoConfig,
         exchange_timeout: float,
         state_provider: StateProvider,
+        carry: torch.Tensor | None = None,
         scheme: str = "reduce_scatter",
         announce: Sequence[str] = (),
         state_min_rate: float = 0.0,
@@ -91,6 +102,8 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         self._diloco = diloco
         self._exchange_timeout = exchange_timeout
         self._state_provider = state_provider
+        self._carry = carry
+        self._attested: tuple[int, str] | None = None  # the stage's attested state, if any
         # bytes/s a state source must keep on average once its first `next_chunk_timeout`
         # is over (0: no floor)
         self._state_min_rate = state_min_rate
@@ -98,7 +111,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         self._registered: asyncio.Event | None = None
         self._announce = list(announce)[:MAX_ADDRS]  # where our DHT listens (no /p2p/)
         # the stage's replicas as the coordinator lists them (base58 peer ids; the
-        # averager process's copy, set by `set_members`): no other peer joins a group of
+        # averager process's copy, set by `prepare`): no other peer joins a group of
         # ours or serves us state; None admits anyone
         self._members: frozenset[str] | None = None
         self._refused: set[PeerID] = set()  # strangers refused (and logged) so far
@@ -106,15 +119,18 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
 
     # ---- who may take part ---------------------------------------------------------------
 
-    def set_members(self, members: Sequence[str] | None) -> None:
-        """Admit only these peers (base58 ids) to our groups and as state sources, from
-        the next step on; None admits anyone. Runs in the host process: the averager
-        process handles it before any step sent after it."""
+    def prepare(self, members: Sequence[str] | None, attested: tuple[int, str] | None) -> None:
+        """Before a step: admit only these peers (base58 ids) to our groups and as state
+        sources, None admits anyone; `attested` is the stage's attested state, which
+        breaks ties for the group's canonical state. Runs in the host process: the
+        averager process handles it before any step sent after it."""
         listed = None if members is None else list(members)
-        self._outer_pipe.send(("_set_members", [], {"members": listed}))
+        held = None if attested is None else [int(attested[0]), str(attested[1])]
+        self._outer_pipe.send(("_prepare", [], {"members": listed, "attested": held}))
 
-    async def _set_members(self, members: list[str] | None) -> None:
+    async def _prepare(self, members: list[str] | None, attested: list[Any] | None) -> None:
         self._members = None if members is None else frozenset(members)
+        self._attested = None if attested is None else (int(attested[0]), str(attested[1]))
         if len(self._refused) > 4096:  # bounded: a peer forgotten is logged once more
             self._refused.clear()
 
@@ -290,7 +306,16 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
                 gathered[pid] = checked_gathered(self.serializer.loads(user))
             except Exception:  # a member's metadata that does not even decode
                 gathered[pid] = dict(NO_METADATA)
+        held = {p: (int(g["round"]), str(g["digest"])) for p, g in gathered.items()}
+        head, _ = canonical_state(held, self._attested)
+        view, carried = carried_view(gathered, head)
         async with enter_asynchronously(self.get_tensors()) as tensors:
+            if self.peer_id in carried and self._carry is not None:
+                tensors[0].add_(self._carry)
             if self._scheme == "reduce_scatter":
-                return await self._reduce_scatter(group_info, gathered, tensors[0])
-            return await self._all_gather(group_info, gathered, tensors[0])
+                out = await self._reduce_scatter(group_info, view, tensors[0])
+            else:
+                out = await self._all_gather(group_info, view, tensors[0])
+        out["gathered"] = {p.to_base58(): g for p, g in gathered.items()}  # as declared
+        out["carried"] = self.peer_id in carried
+        return out

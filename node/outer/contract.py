@@ -368,6 +368,10 @@ class RoundResult:
     # reduction rejected as no honest replica sends it, or a reducer that lied about its
     # part; the node reports them to the coordinator
     accused: dict[str, str] = dataclasses.field(default_factory=dict)
+    # whether this round's contribution, weighted above zero, carried the lone steps this
+    # replica took since it last held a group's state (`node.outer.parts.carried_view`):
+    # their training is in the state now held though their own states are not
+    carried: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         out = {
@@ -380,7 +384,7 @@ class RoundResult:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj, optional=("agreed", "accused"))
+        d = fields_of(cls, obj, optional=("agreed", "accused", "carried"))
         rejected = _reasons(d["rejected"], "rejected")
         accused = _reasons(d.get("accused", {}), "accused")
         return cls(
@@ -402,6 +406,7 @@ class RoundResult:
             lineage=lineage_of(d, cls),
             agreed=link_of(d, "agreed", cls),
             accused=accused,
+            carried=bool_of(d, "carried") if "carried" in d else False,
         )
 
 

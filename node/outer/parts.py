@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from node.outer.settings import MAX_COUNT
 from protocol.codec import packb, unpackb
 from protocol.errors import ProtocolError
+from protocol.lineage import Link
 
 KINDS = ("contrib", "audit", "reduced")  # what a push carries
 MAX_HEADER = 1 << 18  # bytes in one push header (a manifest of up to MAX_MEMBERS entries)
@@ -31,8 +32,9 @@ MAX_DIGEST = 64  # characters in a hex digest
 # never the group's canonical state (round -1)
 NO_METADATA: dict[str, Any] = {
     "round": -1, "digest": "", "base_round": -1, "tokens": 0, "target": 0, "ref_norm": 0.0,
-    "addrs": [],
+    "addrs": [], "carry_round": -1, "carry_digest": "", "carry_tokens": 0,
 }  # fmt: skip
+K = TypeVar("K", bound=Hashable)  # how a caller names a group's members
 MAX_ADDRS = 16  # addresses a member announces in its gathered metadata
 MAX_ADDR = 256  # characters in one of them
 
@@ -116,22 +118,24 @@ def digest(compression: int, dtype: str, size: Sequence[int], buffer: bytes) -> 
 
 def checked_gathered(raw: Any) -> dict[str, Any]:
     """One member's gathered metadata (round, digest, base_round, tokens, the
-    participation rule's target tokens as it sees the stage, ref_norm, and the multiaddrs
-    its outer process listens on, without `/p2p/`), or `NO_METADATA` when it is
-    malformed."""
+    participation rule's target tokens as it sees the stage, ref_norm, the multiaddrs
+    its outer process listens on, without `/p2p/`, and its carry: see `carried_view`),
+    or `NO_METADATA` when it is malformed."""
     if type(raw) is not dict or set(raw) != set(NO_METADATA):
         return dict(NO_METADATA)
-    for key in ("round", "base_round", "tokens", "target"):
+    for key in ("round", "base_round", "tokens", "target", "carry_round", "carry_tokens"):
         v = raw[key]
-        if type(v) is not int or not (0 if key in ("tokens", "target") else -1) <= v <= MAX_COUNT:
+        low = 0 if key in ("tokens", "target", "carry_tokens") else -1
+        if type(v) is not int or not low <= v <= MAX_COUNT:
             return dict(NO_METADATA)
     norm = raw["ref_norm"]
     if type(norm) is int:
         norm = float(norm)
     if type(norm) is not float or not math.isfinite(norm) or norm < 0.0:
         return dict(NO_METADATA)
-    if type(raw["digest"]) is not str or len(raw["digest"]) > MAX_DIGEST:
-        return dict(NO_METADATA)
+    for key in ("digest", "carry_digest"):
+        if type(raw[key]) is not str or len(raw[key]) > MAX_DIGEST:
+            return dict(NO_METADATA)
     if not addrs_ok(raw["addrs"]):
         return dict(NO_METADATA)
     return {**raw, "ref_norm": norm}
@@ -145,6 +149,47 @@ def addrs_ok(addrs: object) -> bool:
         and len(addrs) <= MAX_ADDRS
         and all(type(a) is str and 0 < len(a) <= MAX_ADDR for a in addrs)
     )
+
+
+def canonical_state(held: Mapping[K, Link], attested: Link | None = None) -> tuple[Link, list[K]]:
+    """A group's canonical (round, digest), the state its round steps, and the members
+    holding it (`held`: member -> the state it holds as the round begins): the state most
+    members hold; among equally held ones the stage's attested state, then the newest
+    round, then the smaller digest."""
+    claims = list(held.values())
+    head = max(
+        set(claims),
+        key=lambda s: (claims.count(s), s == attested, s[0], [-ord(ch) for ch in s[1]]),
+    )
+    return head, [p for p, s in held.items() if s == head]
+
+
+def carried_view(
+    gathered: Mapping[K, dict[str, Any]], head: Link
+) -> tuple[dict[K, dict[str, Any]], set[K]]:
+    """The gathered metadata as the group weights it, once its canonical state `head` is
+    known, and the members whose contribution carries their lone rounds.
+
+    A replica that stepped alone since it last held a group's state declares that state
+    (`carry_round`, `carry_digest`) and the tokens of its lone steps (`carry_tokens`).
+    When the group steps that very state and the member does not hold it, the member's
+    lone work would be dropped: it adopts the stepped state. Instead it contributes its
+    progress from that state (its lone steps' updates plus this round's pseudo-gradient),
+    which counts as fresh (round and base round of `head`) with the lone steps' tokens
+    added. Every member derives this alike from the gathered metadata, and the robust
+    rules and token cap apply to the carried contribution as to any other."""
+    view: dict[K, dict[str, Any]] = {}
+    carried: set[K] = set()
+    for p, g in gathered.items():
+        held = (int(g["round"]), str(g["digest"]))
+        base = (int(g["carry_round"]), str(g["carry_digest"]))
+        if held != head and base == head and int(g["carry_tokens"]) > 0:
+            tokens = min(MAX_COUNT, int(g["tokens"]) + int(g["carry_tokens"]))
+            view[p] = {**g, "round": head[0], "base_round": head[0], "tokens": tokens}
+            carried.add(p)
+        else:
+            view[p] = g
+    return view, carried
 
 
 def group_ref_norm(gathered: Sequence[dict[str, Any]]) -> float:

@@ -10,7 +10,10 @@ passed in `Begin`) is newer than ours, downloading exactly that state; average w
 whoever forms a group before `matchmaking_s` (alone otherwise); apply elastic Nesterov
 when this replica holds the group's canonical state (the state most members hold; among
 equally held ones the attested state, then the newest round), or adopt the stepped state
-from a groupmate that held it when it does not. A group with nothing to average (no
+from a groupmate that held it when it does not. A replica that stepped alone since it
+last held a group's state carries those steps: when its group steps that earlier state,
+its contribution is its whole progress from it (`node.outer.parts.carried_view`), so
+the lone work is averaged in rather than dropped. A group with nothing to average (no
 contribution had tokens) still settles the canonical state: its holders keep it, the
 others download it from them. State is downloaded from the group's holders only, never
 from whoever declares the highest DHT priority. Replicas stay bitwise identical because
@@ -56,7 +59,8 @@ from node.outer.contract import (
     encode,
 )
 from node.outer.contract_fields import MAX_ADDR, MAX_PEERS, MAX_TEXT
-from node.outer.parts import MAX_ADDRS, group_target
+from node.outer.parts import MAX_ADDRS, canonical_state, group_target
+from node.outer.settings import MAX_COUNT
 from node.outer.state_download import state_digest
 from node.outer.wire import compression
 from protocol.errors import ProtocolError
@@ -125,6 +129,12 @@ class OuterProcess:
         # round result (served ones counted under `lock`, by the state-sharing thread)
         self.state_in = 0
         self.state_out = 0
+        # The lone steps since this replica last held a group's state: that state, the
+        # steps' summed updates (`carry`, a shared buffer the averager reads) and their
+        # tokens. A group that steps that state takes them in this replica's
+        # contribution instead of dropping them (`node.outer.parts.carried_view`).
+        self.carry_base: Link | None = None
+        self.carry_tokens = 0
 
     # ---- socket ----------------------------------------------------------------------
 
@@ -176,6 +186,8 @@ class OuterProcess:
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         self.listen_addrs = [a.split("/p2p/")[0] for a in addrs][:MAX_ADDRS]
         self.contribution = torch.zeros(init.numel, dtype=torch.float32)
+        carry = torch.zeros(init.numel, dtype=torch.float32)
+        self.carry = carry.share_memory_()  # type: ignore[no-untyped-call]  # forked: shared
         # the round's limit, plus the exchange's bytes at the slowest rate waited for
         exchange_s = self.cfg.round_timeout_s + self.cfg.exchange_s(init.numel)
         self.averager = self.averager_cls(
@@ -186,6 +198,7 @@ class OuterProcess:
             diloco=self.cfg.diloco,
             exchange_timeout=exchange_s,
             state_provider=self.current_state,
+            carry=self.carry,
             state_min_rate=self.cfg.min_rate_mb_s * 1e6,
             scheme=self.cfg.averaging,
             target_group_size=self.cfg.target_group_size,
@@ -250,8 +263,11 @@ class OuterProcess:
             self.state_out += 4 * (st.theta_g.numel() + st.m.numel())
             return meta, [st.theta_g.clone(), st.m.clone()]
 
-    def adopt(self, state: OuterState, lineage: list[Link]) -> None:
-        """Hold `state`, whose ancestors are `lineage` (the chain then ends with it)."""
+    def adopt(self, state: OuterState, lineage: list[Link], lone: bool = False) -> None:
+        """Hold `state`, whose ancestors are `lineage` (the chain then ends with it);
+        unless this replica stepped to it alone (`lone`), it carries no lone steps."""
+        if not lone:
+            self.carry_base, self.carry_tokens = None, 0
         with self.lock:
             self.state = state
             self.digest = digest(state)
@@ -329,7 +345,7 @@ class OuterProcess:
         t0 = time.monotonic()
         if self.state is None:
             return RoundFailed(error="no state: call set_state or fetch_state first")
-        self.averager.set_members(members)
+        self.averager.prepare(members, attested)
         base = self.state
         delta = base.theta_g - self.snap
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
@@ -351,6 +367,9 @@ class OuterProcess:
             "target": max(0, int(self.cfg.diloco.target_tokens)),
             "ref_norm": ref_norm,
             "addrs": self.listen_addrs,  # groupmates dial these (the daemon may not route)
+            "carry_round": self.carry_base[0] if self.carry_base else -1,
+            "carry_digest": self.carry_base[1] if self.carry_base else "",
+            "carry_tokens": self.carry_tokens if self.carry_base else 0,
         }
         try:
             info = self.averager.step(
@@ -362,7 +381,7 @@ class OuterProcess:
         except Exception as exc:  # no group formed in time: this replica steps alone
             log.info("no group this round (%r); stepping alone", exc)
             info = None
-        bytes_out, bytes_in, rejected = 0, 0, {}
+        bytes_out, bytes_in, rejected, carried = 0, 0, {}, False
         agreed = self.agreed(info, attested) if isinstance(info, dict) else None
         accused = caught(info) if isinstance(info, dict) else {}
         if isinstance(info, dict) and not info.get("has_delta") and len(info["gathered"]) > 1:
@@ -381,6 +400,9 @@ class OuterProcess:
             rejected = {str(k): str(v) for k, v in info["rejected"].items()}
             with self.averager.get_tensors() as tensors:
                 d = tensors[0].clone()
+            carried = bool(info.get("carried"))
+            if carried:  # the lone steps rode in this round, whatever became of it
+                self.carry_base, self.carry_tokens = None, 0
             applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d, attested)
             rebased = rebased or adopted
             contributed = applied and self.own_weight(info) > 0.0
@@ -405,6 +427,7 @@ class OuterProcess:
             lineage=list(self.lineage),
             agreed=agreed,
             accused=accused,
+            carried=carried and contributed,
         )
 
     def step_alone(
@@ -416,7 +439,12 @@ class OuterProcess:
         contrib = Contribution(delta=delta, tokens=tokens, staleness=max(0, st.round - base_round))
         rep = outer_step(new, [contrib], self.cfg.diloco)
         if rep.applied:
-            self.adopt(new, self.lineage)
+            if self.carry_base is None:
+                self.carry_base = (st.round, self.digest)
+                self.carry.zero_()
+            self.carry.add_(st.theta_g - new.theta_g)
+            self.carry_tokens = min(MAX_COUNT, self.carry_tokens + rep.tokens)
+            self.adopt(new, self.lineage, lone=True)
         return rep.applied, new.round, rep.eta_r, rep.tokens, 1
 
     def own_weight(self, info: dict[str, Any]) -> float:
@@ -427,17 +455,11 @@ class OuterProcess:
 
     @staticmethod
     def canonical(info: dict[str, Any], attested: Link | None = None) -> tuple[Link, list[str]]:
-        """The group's canonical (round, digest) and the members holding it: the state
-        most members hold; among equally held ones the stage's attested state, then the
-        newest round, then the smaller digest."""
+        """The group's canonical (round, digest) and the members holding it
+        (`node.outer.parts.canonical_state`)."""
         gathered: dict[str, dict[str, Any]] = info["gathered"]
         held = {p: (int(g["round"]), str(g["digest"])) for p, g in gathered.items()}
-        claims = list(held.values())
-        head = max(
-            set(claims),
-            key=lambda s: (claims.count(s), s == attested, s[0], [-ord(ch) for ch in s[1]]),
-        )
-        return head, [p for p, s in held.items() if s == head]
+        return canonical_state(held, attested)
 
     @classmethod
     def agreed(cls, info: dict[str, Any], attested: Link | None = None) -> Link | None:
@@ -460,7 +482,8 @@ class OuterProcess:
         st = self.state
         assert st is not None
         size = len(info["gathered"])
-        if (st.round, self.digest) == head:
+        if (st.round, self.digest) == head:  # the group's state now: no lone steps
+            self.carry_base, self.carry_tokens = None, 0
             return True, st.round, size, False
         ok = self.download(self.cfg.state_timeout_s, head[0] - 1, want=head, sources=holders)
         return ok, self.state.round if self.state else -1, size, ok
