@@ -69,6 +69,9 @@ class Peer:
     # stage, nothing was reported); both persisted in the addrs JSON
     memory: DeviceMemory | None = None
     fits: tuple[int, ...] | None = None
+    # unix seconds when it first announced a DHT (not persisted: None for a peer restored
+    # from the store, whose join time stands in for it)
+    dht_since: float | None = None
 
     def row(self) -> tuple[Any, ...]:
         book: dict[str, Any] = {"p2p": list(self.addrs), "dht": list(self.dht_addrs)}
@@ -296,6 +299,8 @@ class Membership:
         # from the source address the coordinator saw; an observer's is not kept)
         peer.addrs = tuple(observed(list(peer.addrs), peer.metrics_host))
         peer.dht_addrs = tuple(observed(list(peer.dht_addrs), peer.metrics_host))
+        if peer.dht_addrs and peer.dht_since is None:
+            peer.dht_since = peer.joined_at
         old = self.live.pop(peer.peer_id, None)
         if old is not None:
             self._account(old, -1)
@@ -330,12 +335,15 @@ class Membership:
             peer.throughput = throughput
             self._account(peer, +1)
 
-    def announce(self, peer_id: str, dht_addrs: list[str]) -> None:
-        """A live peer's new DHT addresses (versioned: other nodes bootstrap from them)."""
+    def announce(self, peer_id: str, dht_addrs: list[str], now: float) -> None:
+        """A live peer's new DHT addresses (versioned: other nodes bootstrap from them),
+        at `now` (unix s)."""
         peer = self.live.get(peer_id)
         if peer is None:
             return
         announced = tuple(observed(list(dht_addrs), peer.metrics_host))
+        if announced and peer.dht_since is None:
+            peer.dht_since = now
         if tuple(peer.dht_addrs) != announced:
             peer.dht_addrs = announced
             self._change(peer, "update")
@@ -405,17 +413,21 @@ class Membership:
 
     def dht_root(self) -> str:
         """The run's DHT bootstrap that nodes join (and move to): the live member, not an
-        observer, announcing a DHT, that joined first, preferring members with a direct
-        (non-relay) data-plane address, since a node behind NAT cannot be dialled as a
-        bootstrap; ties by peer id. The coordinator assigns it so that no member can take
-        the role by choosing its key (the smallest peer id used to win), and it stays put
-        while its holder lives, so nodes converge on it; "" when no member qualifies."""
+        observer, that first announced a DHT, preferring members with a direct (non-relay)
+        data-plane address, since a node behind NAT cannot be dialled as a bootstrap; ties
+        by peer id. The coordinator assigns it so that no member can take the role by
+        choosing its key (the smallest peer id used to win), and it stays put while its
+        holder lives, so nodes converge on it: ordered by join time instead, a member that
+        joined earlier but announced its DHT later took the role from a root others had
+        already moved to, splitting a starting swarm over two DHTs. "" when no member
+        qualifies."""
         best: tuple[bool, float, str] | None = None
         for p in self.live.values():
             if p.observer or not p.dht_addrs:
                 continue
             relayed = all("/p2p-circuit" in a for a in p.addrs)
-            key = (relayed, p.joined_at, p.peer_id)
+            since = p.dht_since if p.dht_since is not None else p.joined_at
+            key = (relayed, since, p.peer_id)
             if best is None or key < best:
                 best = key
         return best[2] if best is not None else ""

@@ -343,7 +343,7 @@ class Service(Moderation):
         if req.state is not None and not peer.observer:
             self.attest.report(peer.peer_id, peer.stage, (req.state.round, req.state.digest))
         if req.dht_addrs is not None:
-            self.membership.announce(peer.peer_id, req.dht_addrs)
+            self.membership.announce(peer.peer_id, req.dht_addrs, now)
         if req.accused:
             self.judge(peer, req.accused, now)
         held = self.book.renew(peer.peer_id, now)

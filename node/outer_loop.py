@@ -3,7 +3,7 @@ load the stage's state, tick rounds, and hand each new global state to the node.
 
 A run's nodes may start at the same moment, each with a DHT of its own, so a node moves
 to the run's canonical DHT (the member the coordinator assigns, `PeerView.dht_root`:
-the first to have joined among those announcing one, directly reachable first) by
+the first member to announce one, directly reachable first) by
 restarting its outer process, joining the members' DHTs (root
 first):
 - before its first round, when the root is not the DHT it joined;

@@ -360,8 +360,8 @@ class MembershipReply(Message):
     more: bool = False  # another page follows (delta: since=version; full: after=cursor)
     cursor: str = bounded(max_len=PEER_ID_LEN, default="")  # full view: the next `after`
     # the run's DHT bootstrap as the coordinator assigns it now: the live member, not an
-    # observer, announcing a DHT, that joined first (directly reachable ones before those
-    # with relay addresses only); "" when none
+    # observer, that first announced a DHT (directly reachable ones before those with
+    # relay addresses only); "" when none
     dht_root: str = bounded(max_len=PEER_ID_LEN, default="")
 
 

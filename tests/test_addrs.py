@@ -255,12 +255,14 @@ def test_membership_stores_announced_addresses_as_observed() -> None:
     assert list(remote.addrs) == [f"/ip4/10.1.0.5/tcp/4001{P2P}"]
     assert list(remote.dht_addrs) == [f"/ip4/10.1.0.5/tcp/5000{P2P}"]
     version = members.version
-    members.announce("remote", [f"/ip4/0.0.0.0/tcp/6000{P2P}", f"/ip4/127.0.0.1/tcp/6000{P2P}"])
+    members.announce(
+        "remote", [f"/ip4/0.0.0.0/tcp/6000{P2P}", f"/ip4/127.0.0.1/tcp/6000{P2P}"], 1.0
+    )
     assert (
         list(remote.dht_addrs) == [f"/ip4/10.1.0.5/tcp/6000{P2P}"]
         and members.version == version + 1
     )
-    members.announce("remote", [f"/ip4/127.0.0.1/tcp/6000{P2P}"])  # the same once rewritten
+    members.announce("remote", [f"/ip4/127.0.0.1/tcp/6000{P2P}"], 2.0)  # the same, rewritten
     assert members.version == version + 1
     local = members.join(peer("local", "127.0.0.1"))
     assert list(local.addrs) == [f"/ip4/127.0.0.1/tcp/4001{P2P}"] and list(local.dht_addrs) == dht

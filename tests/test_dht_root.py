@@ -1,6 +1,6 @@
 """The coordinator assigns the run's DHT bootstrap (`Membership.dht_root`): the member
-that joined first among those announcing a DHT, directly reachable ones first, whatever
-its peer id; every membership reply carries it."""
+that first announced a DHT, directly reachable ones first, whatever its peer id; every
+membership reply carries it."""
 
 from __future__ import annotations
 
@@ -41,3 +41,18 @@ def test_a_relayed_member_is_the_root_only_when_no_direct_one_announces_a_dht() 
     m.join(member("12D3KooWbbb", 1.0, relayed=True))
     m.join(member("12D3KooWaaa", 2.0, relayed=True))
     assert m.dht_root() == "12D3KooWbbb"
+
+
+def test_a_member_that_announces_its_dht_later_does_not_take_the_root() -> None:
+    """Nodes start together: the first to announce a DHT is the root others move to, and
+    an earlier joiner whose DHT comes up later does not take the role from it."""
+    m = Membership(n_stages=1, stage_costs=[1.0], ttl_s=10.0, journal=Journal())
+    m.join(member("12D3KooWearly", 1.0, dht=False))
+    m.join(member("12D3KooWlate", 2.0))  # joined second, its DHT already up
+    assert m.dht_root() == "12D3KooWlate"
+    m.announce("12D3KooWearly", ["/ip4/10.0.0.2/tcp/5001"], 3.0)
+    assert m.dht_root() == "12D3KooWlate"
+    m.announce("12D3KooWlate", ["/ip4/10.0.0.2/tcp/5002"], 4.0)  # a move keeps its place
+    assert m.dht_root() == "12D3KooWlate"
+    m.remove("12D3KooWlate", "left")
+    assert m.dht_root() == "12D3KooWearly"

@@ -392,7 +392,7 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
             nursery.start_soon(b.run)
             train_b(2, seed=20)  # windows [0, 8)
             await until("B's first round", lambda: len(verdicts) == 1, 30)
-            # now B knows A's DHT, which the coordinator assigns as the root (A joined first)
+            # now B knows A's DHT, which the coordinator assigns as the root (A announced first)
             views[ids[1]].update(2, view(announced), dht_root=ids[0])
             views[ids[0]].update(2, view(announced), dht_root=ids[0])
             for i in range(1, LONE_ROUNDS_TO_MOVE):
