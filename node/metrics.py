@@ -51,6 +51,10 @@ STAGE = Gauge("agora_node_stage", "Pipeline stage this node serves")
 DEVICE_PEAK = Gauge(
     "agora_node_device_peak_bytes", "Peak GPU memory the stage allocated (0 on the CPU)"
 )
+TORCH_CPU = Counter(
+    "agora_node_torch_cpu_seconds_total",
+    "CPU seconds of the torch thread (forward, backward, inner steps, codecs, merges)",
+)
 MB_SECONDS = Histogram(
     "agora_node_microbatch_seconds",
     "Round trip of a micro-batch through the downstream stages",

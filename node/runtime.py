@@ -71,7 +71,7 @@ class Node:
         self.transport = transport
         self.client = client
         self.device = device
-        self.worker = TorchWorker()
+        self.worker = TorchWorker(on_cpu=metrics.TORCH_CPU.inc)
         self.events = EventLog(cfg.events_file)
         self.drain_state = Drain(cfg.drain_timeout_s, self.events)
         self.pool = LeasePool(

@@ -22,8 +22,11 @@ T = TypeVar("T")
 
 
 class TorchWorker:
-    def __init__(self, name: str = "agora-torch") -> None:
+    def __init__(
+        self, name: str = "agora-torch", on_cpu: Callable[[float], None] | None = None
+    ) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._on_cpu = on_cpu  # called on the thread with each job's CPU seconds
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         self.busy_s = 0.0  # seconds spent running jobs, for utilisation metrics
@@ -32,9 +35,11 @@ class TorchWorker:
         import time
 
         while (job := self._jobs.get()) is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             job()
             self.busy_s += time.perf_counter() - t0
+            if self._on_cpu is not None:
+                self._on_cpu(time.thread_time() - c0)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the torch thread and return its result (or raise its error)."""

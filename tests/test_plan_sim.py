@@ -189,3 +189,24 @@ def test_the_calibration_gives_the_outer_processes_the_weight_that_took_their_cp
     w = cal["node_bg_threads"]
     assert min(w, 2 * w / (1 + 2 * w)) == pytest.approx(children, abs=1e-9)
     assert 0.03 < cal["msg_cpu_s"] < 0.05  # the stored run's messaging, docs/plan.md
+
+
+def test_the_calibration_scales_the_profile_to_the_torch_cpu_seen_in_the_swarm() -> None:
+    """With the torch thread's CPU read in the 2 x 1 swarm, the profile is scaled to it
+    and the messaging cost is what the node spent beyond it."""
+    from swarmlab.plan.validate import NODE, calibrate, compute_per_mb
+
+    stored = json.loads((REPO / "docs/plan/validation.json").read_text())["validation"]
+    profile = Profile.from_dict(stored["measured"]["profiles"]["2"])
+    one = {**stored["measured"]["2x1"]}
+    mb_rate = one["tokens_per_s"] / (NODE.micro_batch * NODE.seq_len)
+    compute = compute_per_mb(profile, NODE)
+    base = calibrate(NODE, one, profile, 2)
+    assert base["profile_scale"] == 1.0  # not read: the profile stands
+    one["torch_cpu_s_per_s"] = {f"s{s}r0": 1.3 * compute[s] * mb_rate for s in range(2)}
+    cal = calibrate(NODE, one, profile, 2)
+    assert cal["profile_scale"] == pytest.approx(1.3)
+    assert cal["msg_cpu_s"] == pytest.approx(max(0.0, base["msg_cpu_s"] - 0.3 * sum(compute) / 2))
+    scaled = profile.scaled(1.3)
+    assert compute_per_mb(scaled, NODE) == pytest.approx([1.3 * c for c in compute])
+    assert [s.fwd_bytes for s in scaled.stages] == [s.fwd_bytes for s in profile.stages]

@@ -61,3 +61,22 @@ def test_event_loop_stays_responsive_while_the_worker_is_busy() -> None:
     trio.run(main)
     worker.close()
     assert ticks >= 10  # the loop kept running during the half-second blocking call
+
+
+def test_each_jobs_cpu_seconds_are_reported_and_waiting_is_not() -> None:
+    seen: list[float] = []
+    worker = TorchWorker(on_cpu=seen.append)
+
+    def spin() -> None:
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+
+    async def main() -> None:
+        await worker.run(spin)
+        await worker.run(time.sleep, 0.2)  # waiting costs no CPU
+
+    trio.run(main)
+    worker.close()
+    assert len(seen) == 2
+    assert seen[0] >= 0.05 and seen[1] < 0.05, seen

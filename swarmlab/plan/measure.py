@@ -4,6 +4,8 @@
 node defaults: outer loop on), and reads, as an operator would:
 - **tokens/s**: stage 0's trained tokens (`agora_node_tokens_total`, Prometheus) over a
   steady-state window that starts `warmup_s` after the first trained micro-batch;
+- **CPU**: each node's process tree (its own and its children's, psutil) and its torch
+  thread alone (`agora_node_torch_cpu_seconds_total`), per second of the window;
 - **round time**: the mean gap between consecutive `round_applied` events of each
   replica (node events), over the window;
 - **re-route time**: after the window, the longest-serving replica of stage 1 is
@@ -54,6 +56,11 @@ def _cpu(sw: LocalSwarm, names: list[str]) -> dict[str, tuple[float, float]]:
             own = children = float("nan")
         out[n] = (own, children)
     return out
+
+
+def _torch_cpu(sw: LocalSwarm, names: list[str]) -> dict[str, float]:
+    """CPU seconds each node's torch thread has spent on its jobs (node metrics)."""
+    return {n: sw.scrape(n).get("agora_node_torch_cpu_seconds_total", 0.0) for n in names}
 
 
 def _round_gaps(sw: LocalSwarm, names: list[str], t0: float, t1: float) -> list[float]:
@@ -135,14 +142,15 @@ def measure_shape(
                 raise RuntimeError(f"node {n} exited:\n{sw.nodes[n].tail()}")
         say(f"{stages}x{replicas}: measuring for {window_s:.0f} s")
         tok0, w0, m0 = _trained(sw, names[0]), time.time(), time.monotonic()
-        cpu0 = _cpu(sw, everyone)
+        cpu0, torch0 = _cpu(sw, everyone), _torch_cpu(sw, everyone)
         time.sleep(window_s)
         tok1, w1, m1 = _trained(sw, names[0]), time.time(), time.monotonic()
-        cpu1 = _cpu(sw, everyone)
+        cpu1, torch1 = _cpu(sw, everyone), _torch_cpu(sw, everyone)
         out["tokens_per_s"] = (tok1 - tok0) / (m1 - m0)
         out["cpu_s_per_s"] = {
             n: [(cpu1[n][i] - cpu0[n][i]) / (m1 - m0) for i in (0, 1)] for n in everyone
         }
+        out["torch_cpu_s_per_s"] = {n: (torch1[n] - torch0[n]) / (m1 - m0) for n in everyone}
         gaps = _round_gaps(sw, everyone, w0, w1)
         out["round_s"] = sum(gaps) / len(gaps) if gaps else None
         out["rounds_seen"] = len(gaps)

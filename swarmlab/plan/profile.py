@@ -11,6 +11,7 @@ Two sources, each labelled in every report:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -52,6 +53,17 @@ class Profile:
             source=str(data["source"]),
             stages=[StageCost(**s) for s in data["stages"]],
         )
+
+    def scaled(self, factor: float) -> Profile:
+        """The same stages with every compute time `factor` times as long."""
+        stages = [
+            dataclasses.replace(
+                c, fwd_s=c.fwd_s * factor, bwd_s=c.bwd_s * factor, step_s=c.step_s * factor
+            )
+            for c in self.stages
+        ]
+        source = self.source if factor == 1.0 else f"{self.source}, x{factor:.3f}"
+        return Profile(device=self.device, source=source, stages=stages)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -4,8 +4,10 @@ A real node spends CPU that the stage profile (torch compute, `profile.measure_c
 does not see, and on a two-core machine that decides the throughput:
 - `msg_cpu_s`, CPU per end of a pipeline message (py-libp2p, msgpack, trio), is
   calibrated from a real 2 x 1 swarm: each node process's CPU per micro-batch less its
-  torch compute, over the two ends of the one hop. 2 x 1 is not among the validated
-  shapes.
+  torch thread's (`agora_node_torch_cpu_seconds_total`), over the two ends of the one
+  hop. 2 x 1 is not among the validated shapes. The stage profile, timed in a process of
+  its own before the swarms, is scaled to the torch thread's CPU per micro-batch in that
+  swarm (`profile_scale`): the box's speed drifts between the two.
 - A node's outer process and p2p daemon take CPU beside it: the simulator counts them
   as `node_bg_threads` always-runnable threads per node, calibrated on the same 2 x 1
   swarm from the CPU its outer processes took. When hivemind's leader search spun
@@ -122,7 +124,12 @@ def calibrate(
 ) -> dict[str, float]:
     """From the 2 x 1 swarm `one` (a measure_shape result; `profile`: the 2-stage profile)
     on `cores` cores:
-    - `msg_cpu_s`, less each received message's per-MB cost (`Timings`' default);
+    - `profile_scale`: the swarm's torch thread CPU per micro-batch over the profile's
+      (1 when the run did not read it): the profile is taken minutes before the swarms,
+      and this box's speed moved by a third between the two;
+    - `msg_cpu_s`: each node's CPU per micro-batch less its torch thread's (the profile's
+      compute when not read), less each received message's per-MB cost (`Timings`'
+      default);
     - `node_bg_threads`: the runnable weight w that gives each node's outer process and
       p2p daemon the c cores they took. With one worker runnable at a time (the pipeline
       alternates) and two background weights, the host is saturated once 1 + 2 w >
@@ -130,6 +137,11 @@ def calibrate(
       sharing gives it w cores / (1 + 2 w)."""
     mb_rate = one["tokens_per_s"] / (node.micro_batch * node.seq_len)  # micro-batches/s
     compute = compute_per_mb(profile, node)
+    scale = 1.0
+    if "torch_cpu_s_per_s" in one:  # the torch thread's own CPU in the swarm
+        in_swarm = [one["torch_cpu_s_per_s"][f"s{s}r0"] / mb_rate for s in range(2)]
+        scale = sum(in_swarm) / sum(compute)
+        compute = in_swarm
     received = [profile.stages[1].bwd_bytes, profile.stages[0].fwd_bytes]  # by stage 0, 1
     per_mb = Timings().msg_cpu_s_per_mb
     extra = [
@@ -138,7 +150,7 @@ def calibrate(
     ]
     c = min(0.45 * cores, sum(one["cpu_s_per_s"][f"s{s}r0"][1] for s in range(2)) / 2)
     w = c if c <= (cores - 1) / 2 else c / (cores - 2 * c)
-    return {"msg_cpu_s": max(0.0, sum(extra) / 2), "node_bg_threads": w}
+    return {"msg_cpu_s": max(0.0, sum(extra) / 2), "node_bg_threads": w, "profile_scale": scale}
 
 
 def measure_all(
@@ -178,6 +190,7 @@ def validate(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"the 2x1 calibration swarm failed: {measured['2x1']['error']}")
     cores = os.cpu_count() or 2
     cal = calibrate(NODE, measured["2x1"], profiles[2], cores)
+    profiles = {k: p.scaled(cal["profile_scale"]) for k, p in profiles.items()}
     timings = Timings(
         host_cores=cores,
         msg_cpu_s=cal["msg_cpu_s"],
