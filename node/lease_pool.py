@@ -23,9 +23,7 @@ it what happened. Its rules:
   may be committed now and which ranges went back to be trained again.
 - `state_replaced()`: the replica took another replica's state outside a round (its
   outer loop moved to the run's DHT and downloaded the stage's state there, rebasing
-  its progress onto it); the held rounds' training is gone, so their windows go back,
-  unless the state taken is an ancestor of theirs and the working copy kept it (`kept`):
-  then their windows ride in the next round.
+  its progress onto it); the held rounds' training is gone, so their windows go back.
 - `accept(range)` records a commit the coordinator took; a lease whose range is all
   committed is forgotten. Commits are monotonic per lease.
 - `fence(lease_id)` forgets a lease the coordinator fenced: its untaken windows are
@@ -304,21 +302,13 @@ class LeasePool:
         """Contributed rounds whose commits wait for the stage to agree on their state."""
         return len(self._held)
 
-    def state_replaced(self, *, kept: bool = False) -> list[CommitRange]:
+    def state_replaced(self) -> list[CommitRange]:
         """The global state was replaced by another replica's outside a round (a rebase:
         the working copy keeps what it trained since its last round, which rides in the
         next round): every held round's training is gone from it, so their windows go
-        back; returns them, as ranges. With `kept` the working copy kept the held rounds'
-        training too (the state taken is an ancestor of theirs): their windows ride in
-        the next round instead, and nothing goes back."""
-        held, self._held = set(self._held), {}
-        if not kept:
-            return self._resolve(held, keep=False)
-        for trained in self._trained.values():
-            for start, (end, gen) in trained.items():
-                if gen in held:
-                    trained[start] = (end, self._gen)
-        return []
+        back; returns them, as ranges."""
+        back, self._held = set(self._held), {}
+        return self._resolve(back, keep=False)
 
     def _resolve(self, gens: set[int], *, keep: bool) -> list[CommitRange]:
         """The trained windows of rounds `gens` become committable (`keep`), or go back to

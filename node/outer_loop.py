@@ -18,9 +18,7 @@ yet lapsed, or restarting) cannot make a node restart forever. Training goes on 
 move and its progress is kept (`capture`, then a rebase onto the state found there). A
 move that took another replica's state replaced this replica's lineage: `on_replaced`
 runs, so stage 0's lease pool hands back the ranges its held lone rounds carried
-(`LeasePool.state_replaced`), or, when the state taken is an ancestor of the carried one
-(the lone rounds stepped from it), keeps them riding in the next round: the weights
-then stay as they are, and their lead over that state holds the lone rounds' work. Every state the loop loads reaches `on_state` as a
+(`LeasePool.state_replaced`). Every state the loop loads reaches `on_state` as a
 `GlobalState` value with None, and every round's result with its `RoundFacts` (the
 state may be unchanged: `facts.applied`); nothing outside this module touches the
 `OuterLink`.
@@ -62,7 +60,7 @@ LONE_ROUNDS_TO_MOVE = 2
 POLL_S = 0.2  # seconds between ticks
 
 OnState = Callable[[GlobalState, RoundFacts | None], Awaitable[None]]
-OnReplaced = Callable[[bool], Awaitable[None]]  # whether the weights kept the held work
+OnReplaced = Callable[[], Awaitable[None]]
 
 
 class OuterLoop:
@@ -187,9 +185,7 @@ class OuterLoop:
         self.state = state
         await self._on_state(state, None)
         if carry is not None and rounds.loaded_from_replica and self._on_replaced is not None:
-            # the carried lineage is gone; what its held rounds trained is gone with it,
-            # unless the weights kept it (the state taken is an ancestor of the carried)
-            await self._on_replaced(rounds.kept_lineage)
+            await self._on_replaced()  # the carried lineage (and what it held) is gone
         # Only a loaded outer process is visible to rounds and drains: the link runs one
         # operation at a time.
         self.rounds = rounds

@@ -92,10 +92,6 @@ class OuterRounds:
         # whether `load_state` took another replica's state (so this replica's own
         # lineage, and what it held, was replaced)
         self.loaded_from_replica = False
-        # a load that took another replica's state kept the working copy as it was: that
-        # state is an ancestor of the one resumed, so the weights' lead over it holds the
-        # resumed state's lone rounds, which ride in the next round (`load_state`)
-        self.kept_lineage = False
         # One tick at a time: the outer loop and a drain both tick, and a round must not
         # begin while the last one's merge and `on_round` (commits, checkpoint) run.
         self._tick_lock = trio.Lock()
@@ -163,11 +159,7 @@ class OuterRounds:
         from `resume` (its stage checkpoint, or the state of the outer loop this one
         replaces) when given, else from its initial weights. With `keep_progress` the
         working copy keeps what it trained since `resume.theta_g` (a rebase onto the
-        fetched state; or `resume` seeds theta_g and the weights stay as they are). When
-        the fetched state is an ancestor of `resume` (in its lineage: `resume` stepped
-        alone from it) the weights stay as they are, so their lead over the fetched state
-        holds `resume`'s lone rounds too, and the next round's pseudo-gradient carries
-        them (`kept_lineage`).
+        fetched state; or `resume` seeds theta_g and the weights stay as they are).
         Returns the loaded global state; `loaded_from_replica` says whether it came from
         another replica."""
         self.loaded_from_replica = await self._load_state(replicas_exist, resume, keep_progress)
@@ -180,13 +172,7 @@ class OuterRounds:
         if replicas_exist:
             got = await self._fetch()
             if got is not None:
-                self.kept_lineage = False
                 if keep_progress and resume is not None:
-                    if (got, self.link.digest) in resume.lineage:
-                        self.kept_lineage = True  # the weights stay: they lead it
-                        log.info("outer: loaded the stage's global state at round %d, an"
-                                 " ancestor of ours: the weights keep our lone rounds", got)  # fmt: skip
-                        return True
                     await self.worker.run(self._rebase, params, resume.theta_g)
                 else:
                     await self.worker.run(self._load, params)

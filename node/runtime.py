@@ -271,11 +271,10 @@ class Node:
         ref = self.client.attested
         return (ref.round, ref.digest) if ref is not None else None
 
-    async def _on_state_replaced(self, kept: bool) -> None:
+    async def _on_state_replaced(self) -> None:
         """The outer loop moved and took another replica's state: the ranges that this
-        replica's held lone rounds carried are gone from it and are trained again, unless
-        the weights `kept` that work (it rides in the next round)."""
-        returned = self.pool.state_replaced(kept=kept)
+        replica's held lone rounds carried are gone from it and are trained again."""
+        returned = self.pool.state_replaced()
         if self.driver is not None:
             self.driver.ranges_returned(returned, "left with the replaced state")
 

@@ -476,21 +476,3 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40, deadline=None)
 test_lease_pool_state_machine = PoolMachine.TestCase
-
-
-def test_a_replaced_state_that_the_weights_kept_lets_the_held_rounds_ride_again() -> None:
-    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
-    pool.open(lease(1, limit=16), SHARD)
-    w0, w1, w2, w3 = pool.take(4)
-    pool.finish([w0, w1], final=False)
-    assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1")))).held == 1
-    pool.finish([w2, w3], final=False)
-    # a move took S0, an ancestor of the held round's state, and the weights kept the work
-    assert pool.state_replaced(kept=True) == [] and pool.held == 0
-    verdict = pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "b1"))))
-    assert verdict.held == 1 and verdict.commits == []  # all of [0, 16) rides in this round
-    verdict = pool.round_result(
-        facts(pool.snapshot(), contributed=False, chain=(S0, (1, "b1"), (2, "b2")),
-              agreed=(1, "b1"))
-    )  # fmt: skip
-    assert spans(verdict.commits) == [(0, 16)] and verdict.returned == []
