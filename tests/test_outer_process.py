@@ -49,6 +49,19 @@ def start(links: list[OuterLink], env: dict[str, str], run: str, peers: list[str
     return link
 
 
+def two_replicas(
+    links: list[OuterLink], env: dict[str, str]
+) -> tuple[OuterLink, OuterLink, list[torch.Tensor]]:
+    """A fresh stage of two replicas: A seeds round 0 from `params(0, 1.0)`, B downloads it."""
+    run = uuid.uuid4().hex[:8]
+    a = start(links, env, run, [])
+    b = start(links, env, run, a.dht_addrs())
+    theta0 = params(0, 1.0)
+    a.set_initial_state(theta0)
+    assert b.fetch_state(timeout=15) == 0
+    return a, b, theta0
+
+
 def params(seed: int, scale: float) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(N // 2, generator=g) * scale, torch.randn(N // 2, generator=g) * scale]
@@ -132,12 +145,7 @@ def test_a_stage_seeded_from_a_checkpoint_keeps_its_round_and_momentum(
 def test_frozen_replica_does_not_hold_the_other_and_is_rebased(
     links: list[OuterLink], child_env: dict[str, str]
 ) -> None:
-    run = uuid.uuid4().hex[:8]
-    a = start(links, child_env, run, [])
-    b = start(links, child_env, run, a.dht_addrs())
-    theta0 = params(0, 1.0)
-    a.set_initial_state(theta0)
-    assert b.fetch_state(timeout=15) == 0
+    a, b, theta0 = two_replicas(links, child_env)
     wa = [p * 0.99 for p in theta0]
     a.begin_round(wa, 100)
     b.begin_round(wa, 100)
@@ -184,12 +192,7 @@ def test_lone_rounds_ride_in_the_group_round_that_steps_the_state_they_left(
     each; the attested state breaks the tie) and A adopts the result. A's contribution
     carries its lone progress from round 0, weighted by the lone rounds' tokens and not
     counted stale, so what A trained alone is in the stage's state instead of dropped."""
-    run = uuid.uuid4().hex[:8]
-    a = start(links, child_env, run, [])
-    b = start(links, child_env, run, a.dht_addrs())
-    theta0 = params(0, 1.0)
-    a.set_initial_state(theta0)
-    assert b.fetch_state(timeout=15) == 0
+    a, b, theta0 = two_replicas(links, child_env)
     attested = (0, a.digest)
     common, lone = params(99, 1.0), params(7, 1.0)
     for k in (1, 2):  # A's working copy moves along `lone` (and the shared direction)
@@ -224,12 +227,7 @@ def test_a_group_with_nothing_to_average_settles_on_the_canonical_state(
     reports the round applied by a group of 2; B ends on A's state. Each state was held
     by one member, so that round agrees on none; the next group, where both hold A's
     state, agrees on it (A's held lone round can then commit)."""
-    run = uuid.uuid4().hex[:8]
-    a = start(links, child_env, run, [])
-    b = start(links, child_env, run, a.dht_addrs())
-    theta0 = params(0, 1.0)
-    a.set_initial_state(theta0)
-    assert b.fetch_state(timeout=15) == 0
+    a, b, theta0 = two_replicas(links, child_env)
     a.begin_round([p * 0.99 for p in theta0], 100)  # B is in no round: A steps alone
     ra = a.wait_result(30)
     assert ra.applied and ra.group_size == 1 and ra.round == 1
@@ -439,12 +437,7 @@ def test_a_replica_sees_a_groupmate_looking_for_a_group_and_joins_its_round(
     """Between rounds a replica can see that another replica of its stage is forming a
     group (its live matchmaking declaration in the DHT) and begin its own round early:
     the two form a group although they began seconds apart."""
-    run = uuid.uuid4().hex[:8]
-    a = start(links, child_env, run, [])
-    b = start(links, child_env, run, a.dht_addrs())
-    theta0 = params(0, 1.0)
-    a.set_initial_state(theta0)
-    assert b.fetch_state(timeout=15) == 0
+    a, b, theta0 = two_replicas(links, child_env)
     assert a.peers_waiting() == 0 and b.peers_waiting() == 0  # nobody is in a round
     wa, wb = trained(theta0, 1), trained(theta0, 2)
     a.begin_round(wa, 100)
