@@ -157,8 +157,9 @@ def aggregate(contribs: Sequence[Contribution], ref_norm: float, cfg: DilocoConf
     contributions, with `w_i = tokens_i * staleness_weight(staleness_i)`.
 
     Rejected: non-finite or absurd-norm deltas (see `rejection_reason`), with three or more
-    candidates also those whose norm exceeds `max_median_ratio` times the median, zero-token
-    ones and ones past the staleness bound. With `clip_radius > 0` the mean is replaced by
+    candidates also those whose norm exceeds `max_median_ratio` times the median and, of
+    three or more left, those pointing like too few of the others (`direction_problems`),
+    zero-token ones and ones past the staleness bound. With `clip_radius > 0` the mean is replaced by
     centered clipping at that radius; otherwise, with three or more usable contributions
     and `clip_rel > 0` (the default), by centered clipping at `clip_rel` times their median
     norm: contributions within that distance of the running centre count in full (the
@@ -250,6 +251,52 @@ def pair_problem(
     return None
 
 
+# the direction check of three or more contributions needs parts long enough that its
+# cosine floor (sigmas / sqrt(n)) sits well below what honest pairs reach: at 4 sigmas,
+# 256 elements; shorter vectors (toy tests, not real stages) skip it (dimensionless)
+DIRECTION_MAX_FLOOR = 0.25
+
+
+def direction_problems(
+    deltas: Sequence[torch.Tensor], candidates: Sequence[int], cos_sigmas: float
+) -> dict[int, tuple[str, bool]]:
+    """With three or more candidate contributions, the ones that point like too few of the
+    others: contribution i agrees with j when their cosine is at least `cos_sigmas /
+    sqrt(n)` (above what two random directions of n elements reach; vectors too short
+    for that floor to sit below `DIRECTION_MAX_FLOOR` are not checked), and it is rejected
+    when it agrees with fewer than `(m - 1) // 2` of the other m - 1. Honest replicas
+    descend one loss from one theta_g, so each agrees with every other honest one, and
+    fewer than half the candidates lying can neither reject an honest contribution nor
+    keep one that points across or against every honest one (a sign flip, noise).
+    Returns index -> (reason, whether it is opposed, cosine below `OPPOSED_COS`, to more
+    than half of the others: no honest replica sends that, so it is reported)."""
+    m = len(candidates)
+    if m < 3 or cos_sigmas <= 0.0:
+        return {}
+    floor = cos_sigmas / math.sqrt(deltas[candidates[0]].numel())
+    if floor > DIRECTION_MAX_FLOOR:
+        return {}
+    norms = {i: float(torch.linalg.vector_norm(deltas[i])) for i in candidates}
+    cos: dict[tuple[int, int], float] = {}
+    for a, i in enumerate(candidates):
+        for j in candidates[a + 1 :]:
+            den = norms[i] * norms[j]
+            cos[i, j] = cos[j, i] = float(torch.dot(deltas[i], deltas[j])) / den if den else 0.0
+    need = (m - 1) // 2
+    found: dict[int, tuple[str, bool]] = {}
+    for i in candidates:
+        others = [cos[i, j] for j in candidates if j != i]
+        agree = sum(1 for c in others if c >= floor)
+        if agree < need:
+            opposed = sum(1 for c in others if c < OPPOSED_COS) * 2 > len(others)
+            reason = (
+                f"direction: agrees with {agree} of {m - 1} others (cosine >= {floor:.3g}), "
+                f"needs {need}; cosines {', '.join(f'{c:.3g}' for c in others)}"
+            )
+            found[i] = (reason, opposed)
+    return found
+
+
 def _aggregate(
     contribs: Sequence[Contribution],
     ref_norm: float,
@@ -284,6 +331,13 @@ def _aggregate(
                 suspect.add(i)
                 weights[i] = 0.0
     pair = [i for i in norms if weights[i] > 0.0]
+    for i, (reason, opposed) in direction_problems(
+        [c.delta for c in contribs], pair, cfg.pair_cos_sigmas
+    ).items():
+        rejected[i], weights[i] = reason, 0.0
+        if opposed:
+            suspect.add(i)
+    pair = [i for i in pair if weights[i] > 0.0]
     if own in pair and len(pair) == 2:
         other = pair[0] if pair[1] == own else pair[1]
         found = pair_problem(contribs[own], contribs[other], cfg)

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from node.diloco import (
     Contribution,
@@ -14,6 +16,7 @@ from node.diloco import (
     aggregate,
     aggregate_part,
     centered_clip,
+    direction_problems,
     merge_local_progress,
     outer_step,
     pair_problem,
@@ -311,10 +314,14 @@ def test_the_pair_bound_applies_to_two_usable_contributions_with_the_reducers_ow
     # the reducer's own is rejected (no tokens): nothing to bound against
     stale = [Contribution(delta=ours, tokens=0), Contribution(delta=-theirs, tokens=100)]
     assert aggregate_part(stale, 10.0, 1.0, DilocoConfig(), own=0).weights == [0.0, 100.0]
-    # no reducer (a lone step, the all-gather scheme) or three contributions: no pair bound
+    # no reducer (a lone step, the all-gather scheme): no pair bound
     assert aggregate_part(cs, 10.0, 1.0, DilocoConfig()).weights == [100.0, 100.0]
+    # three contributions: the majority's direction rule instead, with or without a reducer
     third = Contribution(delta=ours.clone(), tokens=100)
-    assert aggregate_part([*cs, third], 10.0, 1.0, DilocoConfig(), own=0).rejected == {}
+    for own in (0, None):
+        agg = aggregate_part([*cs, third], 10.0, 1.0, DilocoConfig(), own=own)
+        assert list(agg.rejected) == [1] and agg.rejected[1].startswith("direction")
+        assert agg.suspect == {1}
 
 
 def test_an_honest_pair_of_the_bench_model_points_alike() -> None:
@@ -325,3 +332,68 @@ def test_an_honest_pair_of_the_bench_model_points_alike() -> None:
     cfg = DilocoConfig()
     n = 100_000
     assert cfg.pair_cos_sigmas / math.sqrt(n) < 0.02
+
+
+def _honest(m: int, n: int = 1000, seed: int = 0) -> list[torch.Tensor]:
+    """m honest-like deltas: one shared descent plus each one's own part (cosine ~0.5)."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(n, generator=g)
+    return [common + torch.randn(n, generator=g) for _ in range(m)]
+
+
+@pytest.mark.parametrize("members", [3, 4, 5, 6])
+def test_in_groups_of_three_or_more_what_points_against_or_across_the_majority_is_rejected(
+    members: int,
+) -> None:
+    """The largest minority a group can hold, (m - 1) // 2 liars, one sign-flipping an
+    honest delta and the rest sending noise of honest norm, is rejected; no honest one is;
+    only the sign flip (opposed to every honest member) is reported."""
+    liars = (members - 1) // 2
+    honest = _honest(members - liars)
+    bad = [-honest[0]]
+    g = torch.Generator().manual_seed(7)
+    for _ in range(liars - 1):
+        noise = torch.randn(honest[0].numel(), generator=g)
+        bad.append(noise * (torch.linalg.vector_norm(honest[0]) / torch.linalg.vector_norm(noise)))
+    contribs = [Contribution(delta=d, tokens=100) for d in [*honest, *bad]]
+    agg = aggregate_part(contribs, 1e6, 1.0, DilocoConfig())
+    liar_ids = set(range(members - liars, members))
+    assert set(agg.rejected) == liar_ids, agg.rejected
+    assert all(agg.rejected[i].startswith("direction") for i in liar_ids)
+    assert agg.suspect == {members - liars}
+    # turned off with the pair bound's direction setting (`--outer-robust off`)
+    assert aggregate_part(contribs, 1e6, 1.0, DilocoConfig(pair_cos_sigmas=0.0)).rejected == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    members=st.integers(3, 7),
+    seed=st.integers(0, 2**16),
+    liars=st.lists(
+        st.tuples(st.sampled_from(["flip", "noise", "scaled", "zero", "copy"]), st.floats(-5, 5)),
+        max_size=3,
+    ),
+)
+def test_a_lying_minority_never_gets_an_honest_contribution_rejected_by_direction(
+    members: int, seed: int, liars: list[tuple[str, float]]
+) -> None:
+    """Whatever fewer than half the candidates send (flipped, noise, scaled or copied
+    honest deltas, zeros), every honest one agrees with every other honest one, and so
+    with enough of the group to be kept."""
+    f = min(len(liars), (members - 1) // 2)
+    honest = _honest(members - f, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    bad = []
+    for kind, k in liars[:f]:
+        base = honest[0]
+        bad.append(
+            {
+                "flip": -base,
+                "noise": torch.randn(base.numel(), generator=g),
+                "scaled": base * k,
+                "zero": torch.zeros_like(base),
+                "copy": base.clone(),
+            }[kind]
+        )
+    found = direction_problems([*honest, *bad], list(range(members)), 4.0)
+    assert not set(found) & set(range(len(honest))), found

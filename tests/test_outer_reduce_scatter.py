@@ -161,12 +161,16 @@ def test_a_reducer_that_leaves_out_acknowledged_contributions_is_caught(
         assert "left out a contribution it acknowledged" in r.accused.get(name, ""), r.accused
 
 
-@pytest.mark.parametrize("attack", ["scaled_delta", "nan_delta", "inflated_claims"])
+@pytest.mark.parametrize(
+    "attack", ["scaled_delta", "nan_delta", "sign_flip", "noise", "inflated_claims"]
+)
 def test_a_member_with_a_hostile_contribution_is_rejected_or_bounded(
     links: list[OuterLink], child_env: dict[str, str], attack: str
 ) -> None:
-    """C contributes its delta x 100, or with NaNs: every reducer rejects it (the median
-    check, the finite check), A and B end identical and their own contributions count.
+    """C contributes its delta x 100, with NaNs, negated, or noise of its norm: every
+    reducer rejects it (the median check, the finite check, the majority's direction),
+    A and B end identical and their own contributions count; all but the noise, which
+    points across as an honest delta sometimes does, are reported.
     Or C claims round 2**62 and 1e15 tokens: the aggregate counts the upper median round
     (A and B stay fresh, none is rejected) and C's tokens at most 4 x the median claim;
     A and B end identical. (They then do not step: the group's canonical state is still
@@ -185,7 +189,8 @@ def test_a_member_with_a_hostile_contribution_is_rejected_or_bounded(
     assert c.peer_id in ra.rejected and c.peer_id in rb.rejected, ra.rejected
     assert not any(p in ra.rejected for p in (a.peer_id, b.peer_id)), ra.rejected
     # each reduced C's contribution to its own part and caught it first-hand
-    assert list(ra.accused) == list(rb.accused) == [c.peer_id], (ra.accused, rb.accused)
+    caught = [] if attack == "noise" else [c.peer_id]
+    assert list(ra.accused) == list(rb.accused) == caught, (ra.accused, rb.accused)
 
 
 @pytest.mark.parametrize("attack", ["sign_flip", "noise", "scaled_delta"])

@@ -59,7 +59,9 @@ class DilocoConfig:
     pair_max_ratio: float = 4.0
     # ... or when their cosine is below this many standard deviations of two random
     # directions (sigmas / sqrt(part length)): noise, or opposed to the reducer's own
-    # descent (dimensionless); 0 = no direction bound
+    # descent. With three or more, a contribution must reach that cosine with (m - 1) // 2
+    # of the other m - 1 (`node.diloco.direction_problems`) (dimensionless); 0 = no
+    # direction bound
     pair_cos_sigmas: float = 4.0
 
     def __post_init__(self) -> None:
