@@ -10,6 +10,8 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
 - `forward_rerouted`: `mb_id`, `peer`, `failures`, `seconds` (from its first failure): a
   micro-batch that failed before completed through `peer` (stage 0)
 - `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
+- `round_begun`: `tokens` (what this replica's contribution claims: the tokens trained
+  since its last round began), `joining` (begun early, to join a forming group)
 - `round_applied`: `round`, `group_size`, `tokens`, `seconds`, `rebased`, `contributed`
   (this replica's pseudo-gradient is in the new state with weight > 0), `carried` (that
   contribution also carried the lone rounds since its last group), `joined_early`
@@ -47,6 +49,7 @@ EVENT_NAMES = frozenset(
         "forward_failed",
         "forward_rerouted",
         "lease_committed",
+        "round_begun",
         "round_applied",
         "round_not_applied",
         "accused",

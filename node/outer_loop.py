@@ -147,10 +147,15 @@ class OuterLoop:
             self.rounds.request_early_round()
 
     async def start(
-        self, carry: GlobalState | None = None, *, initial: GlobalState | None = None
+        self,
+        carry: GlobalState | None = None,
+        *,
+        initial: GlobalState | None = None,
+        tokens_mark: int = 0,
     ) -> None:
         """Start the outer process, load the stage's state, announce its DHT. `carry` is
-        the state of the outer process this one replaces (a DHT move). `initial` is the
+        the state of the outer process this one replaces (a DHT move), whose rounds last
+        claimed tokens up to `tokens_mark` (the next round claims from there). `initial` is the
         stage's weights as built (round 0): with no carried state or checkpoint, a first
         replica starts the stage's state from it, keeping what it trained since as
         progress, so every replica's round 0 is the same state."""
@@ -159,7 +164,7 @@ class OuterLoop:
         bootstrap = self.peers.dht_bootstrap()
         self._bootstrap = root.peer_id if root is not None else me
         try:
-            rounds = await self._start_process(bootstrap)
+            rounds = await self._start_process(bootstrap, tokens_mark)
         except (OuterLinkError, TimeoutError, OSError) as exc:
             if not bootstrap:
                 raise
@@ -167,7 +172,7 @@ class OuterLoop:
             # the first round, or after lone rounds) moves us to the run's DHT again.
             log.warning("outer: no member's DHT answered (%s); starting our own", exc)
             self._bootstrap = me
-            rounds = await self._start_process([])
+            rounds = await self._start_process([], tokens_mark)
         resume = carry
         if resume is None and self.checkpoint_dir is not None:
             resume = await trio.to_thread.run_sync(
@@ -191,7 +196,7 @@ class OuterLoop:
         self.rounds = rounds
         self._announce_dht(rounds.link.dht_addrs())  # other nodes bootstrap from it
 
-    async def _start_process(self, bootstrap: list[str]) -> OuterRounds:
+    async def _start_process(self, bootstrap: list[str], tokens_mark: int) -> OuterRounds:
         return await OuterRounds.start(
             self.worker,
             self.compute,
@@ -210,6 +215,7 @@ class OuterLoop:
             identity=self.identity,
             members=self.peers.stage_members,
             accuse=self.accuse,
+            tokens_mark=tokens_mark,
         )
 
     async def _round_done(self, state: GlobalState, facts: RoundFacts) -> None:
@@ -264,7 +270,7 @@ class OuterLoop:
         # found there), since its micro-batches will be committed.
         carry = await self.worker.run(rounds.capture)
         await trio.to_thread.run_sync(rounds.close)
-        await self.start(carry=carry)
+        await self.start(carry=carry, tokens_mark=rounds.tokens_mark)
 
     async def finish(self, timeout_s: float) -> None:
         """Drain: finish the round in flight and one more that covers the rest."""

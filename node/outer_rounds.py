@@ -67,6 +67,9 @@ class OuterRounds:
         members: Callable[[], list[str]] | None = None,
         # report a groupmate caught in a round: (peer id, round, what), to the coordinator
         accuse: Callable[[str, int, str], None] | None = None,
+        # compute.tokens_trained when the rounds this one continues (a DHT move's) last
+        # began a round: the progress since is kept, and the tokens since are claimed once
+        tokens_mark: int = 0,
     ) -> None:
         self.worker = worker
         self._accuse = accuse
@@ -85,7 +88,7 @@ class OuterRounds:
         self._in_flight: RoundMark | None = None  # the round running now
         self._round_started = 0.0  # monotonic seconds
         self._steps_at_last = 0  # compute.inner_steps when the last round began
-        self._tokens_at_last = 0  # compute.tokens_trained when the last round began
+        self._tokens_at_last = tokens_mark  # compute.tokens_trained when the last round began
         self.rounds = 0  # rounds applied by this replica
         # results in a row that found no other replica: no groupmate, no newer state
         self.lone_rounds = 0
@@ -124,6 +127,7 @@ class OuterRounds:
         identity: bytes = b"",
         members: Callable[[], list[str]] | None = None,
         accuse: Callable[[str, int, str], None] | None = None,
+        tokens_mark: int = 0,
     ) -> OuterRounds:
         """Start the outer process (under the node's key `identity`, so its DHT peer id is
         the node's) and the rounds that drive it."""
@@ -146,7 +150,13 @@ class OuterRounds:
             worker, compute, link, every_steps=every_steps, snapshot=snapshot,
             on_round=on_round, sole_replica=sole_replica, target_tokens=target_tokens,
             events=events, attested=attested, waiting=waiting, members=members, accuse=accuse,
+            tokens_mark=tokens_mark,
         )  # fmt: skip
+
+    @property
+    def tokens_mark(self) -> int:
+        """`compute.tokens_trained` when the last round began: what the next claims from."""
+        return self._tokens_at_last
 
     async def load_state(
         self,
@@ -301,6 +311,7 @@ class OuterRounds:
         self._round_started = time.monotonic()
         target = self._target_fn() if self._target_fn is not None else None
         await self.worker.run(self._begin_round, tokens, target)
+        self.events.emit("round_begun", tokens=tokens, joining=joining)
 
     def _begin_round(self, tokens: int, target: int | None) -> None:
         # Gradients of finished micro-batches that no inner step has applied yet would

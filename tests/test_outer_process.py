@@ -429,6 +429,10 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
             w.close()
     [move] = read_events(tmp_path / f"{ids[1]}.jsonl", "dht_move")
     assert move["root"] == ids[0] and move["rounds"] == LONE_ROUNDS_TO_MOVE
+    # B's rounds, across the move, claim each token it trained once: the new outer
+    # process's first round claims from where the old one's last round began
+    claims = [e["tokens"] for e in read_events(tmp_path / f"{ids[1]}.jsonl", "round_begun")]
+    assert 0 < sum(claims) <= computes[ids[1]].tokens_trained, claims
 
 
 def test_a_replica_sees_a_groupmate_looking_for_a_group_and_joins_its_round(
