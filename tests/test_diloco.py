@@ -26,6 +26,7 @@ from node.diloco import (
     pseudo_gradient,
     staleness_weight,
 )
+from node.outer.parts import needs_others
 
 
 def t(*xs: float) -> torch.Tensor:
@@ -360,6 +361,8 @@ def test_in_groups_of_three_or_more_what_points_against_or_across_the_majority_i
     liar_ids = set(range(members - liars, members))
     assert set(agg.rejected) == liar_ids, agg.rejected
     assert all(agg.rejected[i].startswith("direction") for i in liar_ids)
+    # a member whose contribution a reducer rejected so cannot re-check it alone
+    assert all(needs_others(agg.rejected[i]) for i in liar_ids)
     assert agg.suspect == {members - liars}
     # turned off with the pair bound's direction setting (`--outer-robust off`)
     assert aggregate_part(contribs, 1e6, 1.0, DilocoConfig(pair_cos_sigmas=0.0)).rejected == {}

@@ -12,12 +12,14 @@ from node.outer.parts import (
     NO_METADATA,
     Entry,
     Header,
+    Undecided,
     audit_choice,
     canonical_state,
     carried_view,
     checked_gathered,
     decode_header,
     decode_manifest,
+    group_canonical,
     group_claims,
     group_ref_norm,
     group_target,
@@ -97,9 +99,10 @@ def test_gathered_metadata_is_checked() -> None:
     good = {
         "round": 3, "digest": "ab", "base_round": 2, "tokens": 10, "target": 40, "ref_norm": 1,
         "addrs": ["/ip4/10.0.0.2/tcp/4001"], "carry_round": 1, "carry_digest": "cd",
-        "carry_tokens": 20,
+        "carry_tokens": 20, "attested_round": 2, "attested_digest": "ef",
     }  # fmt: skip
     assert checked_gathered(good) == {**good, "ref_norm": 1.0}
+    assert checked_gathered({**good, "attested_round": -1, "attested_digest": ""})["round"] == 3
     for bad in (
         {**good, "tokens": -1},
         {**good, "tokens": 1.5},
@@ -118,6 +121,10 @@ def test_gathered_metadata_is_checked() -> None:
         {**good, "carry_tokens": 2**70},
         {**good, "carry_digest": None},
         {**good, "carry_digest": "x" * 100},
+        {**good, "attested_round": -2},
+        {**good, "attested_round": "2"},
+        {**good, "attested_digest": 7},
+        {**good, "attested_digest": "x" * 100},
         {k: v for k, v in good.items() if k != "round"},
         "not a map",
     ):
@@ -158,6 +165,9 @@ def test_a_member_catches_a_reducer_that_misreports_its_contribution() -> None:
     assert own_entry_finding(rejected, "QmA", dg, 3.0, "non-finite values") is None
     median = [Entry(peer="QmA", weight=0.0, reason="norm 9 above 20 x median 0.1", digest=dg)]
     assert own_entry_finding(median, "QmA", dg, 3.0, None) is None  # the auditor's to check
+    for others in ("pair: cosine 0.001 with the reducer's below 0.01", "direction: agrees"):
+        needs = [Entry(peer="QmA", weight=0.0, reason=others, digest=dg)]
+        assert own_entry_finding(needs, "QmA", dg, 3.0, None) is None
 
 
 def claim(rnd: int, tokens: int) -> dict[str, int]:
@@ -201,6 +211,47 @@ def test_the_canonical_state_is_the_most_held_then_the_attested_then_the_newest(
     assert canonical_state({"x": a, "y": b}, attested=a) == (a, ["x"])  # a tie: attested
     assert canonical_state({"x": a, "y": b, "z": c}) == (b, ["y"])  # then the newest
     assert canonical_state({"x": (2, "ff"), "y": (2, "ee")}) == ((2, "ee"), ["y"])
+
+
+def test_a_group_breaks_a_tie_with_the_attested_state_most_members_name() -> None:
+    a, b = (29, "aa"), (31, "bb")
+    # two replicas whose views of the attested state differ for a heartbeat after a round:
+    # each stepping its own view's state would split the stage; neither steps
+    with pytest.raises(Undecided):
+        group_canonical({"x": a, "y": b}, [a, b])
+    assert group_canonical({"x": a, "y": b}, [b, b]) == (b, ["y"])
+    assert group_canonical({"x": a, "y": b}, [None, None]) == (b, ["y"])  # none: newest
+    # a minority naming another state does not move it
+    assert group_canonical({"x": a, "y": b, "z": (0, "cc")}, [a, a, b]) == (a, ["x"])
+    # no tie: the most held state, whatever is named
+    assert group_canonical({"x": a, "y": b, "z": b}, [a, a, a]) == (b, ["y", "z"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    held=st.lists(st.tuples(st.integers(0, 3), st.sampled_from("ab")), min_size=1, max_size=7),
+    names=st.lists(
+        st.one_of(st.none(), st.tuples(st.integers(0, 3), st.sampled_from("ab"))),
+        min_size=7, max_size=7,
+    ),
+)  # fmt: skip
+def test_every_member_derives_one_canonical_state_from_the_gathered_metadata(
+    held: list[tuple[int, str]], names: list[tuple[int, str] | None]
+) -> None:
+    """What `group_canonical` returns, or whether it refuses, depends on the gathered
+    metadata only (every member sees the same), not on the order it is listed in, and
+    what it returns is a held state with its holders."""
+    named = names[: len(held)]
+    members = {i: s for i, s in enumerate(held)}
+    try:
+        head, holders = group_canonical(members, named)
+    except Undecided:
+        with pytest.raises(Undecided):
+            group_canonical(dict(reversed(list(members.items()))), list(reversed(named)))
+        return
+    rev = group_canonical(dict(reversed(list(members.items()))), list(reversed(named)))
+    assert rev[0] == head and sorted(rev[1]) == sorted(holders)
+    assert head in held and holders and all(held[i] == head for i in holders)
 
 
 def gathered_entry(held: tuple[int, str], tokens: int, carry: tuple[int, str, int]) -> dict:

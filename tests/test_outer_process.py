@@ -219,6 +219,27 @@ def test_lone_rounds_ride_in_the_group_round_that_steps_the_state_they_left(
     assert moved_alone > 0.0 and moved_group > 0.5 * moved_alone, (moved_alone, moved_group)
 
 
+def test_members_that_tie_and_name_different_attested_states_do_not_split_the_stage(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """A stepped a lone round; as they meet, A has heard its round attested and B (its
+    view a heartbeat behind) still round 0. Each holds one of the tied states: had each
+    broken the tie with its own view, A would step its state and B round 0, two group
+    rounds of one group with two results. The group breaks it only by an attested state
+    more than half its members name; here none, so neither steps a group round."""
+    a, b, theta0 = two_replicas(links, child_env)
+    at0 = (0, a.digest)
+    a.begin_round([p * 0.99 for p in theta0], 100, attested=at0)  # B is in no round
+    ra = a.wait_result(30)
+    assert ra.applied and ra.group_size == 1 and ra.round == 1
+    for k in range(3):
+        mine = (ra.round, ra.digest)
+        a.begin_round(trained(list(a.theta_g().clone().split(N // 2)), 30 + k), 100, attested=mine)
+        b.begin_round(trained(list(b.theta_g().clone().split(N // 2)), 40 + k), 100, attested=at0)
+        ra, rb = a.wait_result(40), b.wait_result(40)
+        assert ra.group_size == rb.group_size == 1, (k, ra, rb)
+
+
 def test_a_group_with_nothing_to_average_settles_on_the_canonical_state(
     links: list[OuterLink], child_env: dict[str, str]
 ) -> None:

@@ -52,9 +52,10 @@ from node.outer.parts import (
     MAX_ADDRS,
     NO_METADATA,
     addrs_ok,
-    canonical_state,
     carried_view,
     checked_gathered,
+    group_canonical,
+    named_attested,
 )
 from node.outer.reduce_scatter import ReduceScatterRounds, _Round
 from node.outer.settings import AVERAGINGS
@@ -103,7 +104,6 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         self._exchange_timeout = exchange_timeout
         self._state_provider = state_provider
         self._carry = carry
-        self._attested: tuple[int, str] | None = None  # the stage's attested state, if any
         # bytes/s a state source must keep on average once its first `next_chunk_timeout`
         # is over (0: no floor)
         self._state_min_rate = state_min_rate
@@ -119,18 +119,15 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
 
     # ---- who may take part ---------------------------------------------------------------
 
-    def prepare(self, members: Sequence[str] | None, attested: tuple[int, str] | None) -> None:
+    def prepare(self, members: Sequence[str] | None) -> None:
         """Before a step: admit only these peers (base58 ids) to our groups and as state
-        sources, None admits anyone; `attested` is the stage's attested state, which
-        breaks ties for the group's canonical state. Runs in the host process: the
-        averager process handles it before any step sent after it."""
+        sources, None admits anyone. Runs in the host process: the averager process
+        handles it before any step sent after it."""
         listed = None if members is None else list(members)
-        held = None if attested is None else [int(attested[0]), str(attested[1])]
-        self._outer_pipe.send(("_prepare", [], {"members": listed, "attested": held}))
+        self._outer_pipe.send(("_prepare", [], {"members": listed}))
 
-    async def _prepare(self, members: list[str] | None, attested: list[Any] | None) -> None:
+    async def _prepare(self, members: list[str] | None) -> None:
         self._members = None if members is None else frozenset(members)
-        self._attested = None if attested is None else (int(attested[0]), str(attested[1]))
         if len(self._refused) > 4096:  # bounded: a peer forgotten is logged once more
             self._refused.clear()
 
@@ -307,7 +304,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
             except Exception:  # a member's metadata that does not even decode
                 gathered[pid] = dict(NO_METADATA)
         held = {p: (int(g["round"]), str(g["digest"])) for p, g in gathered.items()}
-        head, _ = canonical_state(held, self._attested)
+        head, _ = group_canonical(held, [named_attested(g) for g in gathered.values()])
         view, carried = carried_view(gathered, head)
         async with enter_asynchronously(self.get_tensors()) as tensors:
             if self.peer_id in carried and self._carry is not None:

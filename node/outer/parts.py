@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ MAX_DIGEST = 64  # characters in a hex digest
 NO_METADATA: dict[str, Any] = {
     "round": -1, "digest": "", "base_round": -1, "tokens": 0, "target": 0, "ref_norm": 0.0,
     "addrs": [], "carry_round": -1, "carry_digest": "", "carry_tokens": 0,
+    "attested_round": -1, "attested_digest": "",
 }  # fmt: skip
 K = TypeVar("K", bound=Hashable)  # how a caller names a group's members
 MAX_ADDRS = 16  # addresses a member announces in its gathered metadata
@@ -119,11 +121,13 @@ def digest(compression: int, dtype: str, size: Sequence[int], buffer: bytes) -> 
 def checked_gathered(raw: Any) -> dict[str, Any]:
     """One member's gathered metadata (round, digest, base_round, tokens, the
     participation rule's target tokens as it sees the stage, ref_norm, the multiaddrs
-    its outer process listens on, without `/p2p/`, and its carry: see `carried_view`),
-    or `NO_METADATA` when it is malformed."""
+    its outer process listens on, without `/p2p/`, its carry: see `carried_view`, and
+    the stage's attested state as it last heard, round -1 for none: see
+    `group_canonical`), or `NO_METADATA` when it is malformed."""
     if type(raw) is not dict or set(raw) != set(NO_METADATA):
         return dict(NO_METADATA)
-    for key in ("round", "base_round", "tokens", "target", "carry_round", "carry_tokens"):
+    ints = ("round", "base_round", "tokens", "target", "carry_round", "carry_tokens")
+    for key in (*ints, "attested_round"):
         v = raw[key]
         low = 0 if key in ("tokens", "target", "carry_tokens") else -1
         if type(v) is not int or not low <= v <= MAX_COUNT:
@@ -133,7 +137,7 @@ def checked_gathered(raw: Any) -> dict[str, Any]:
         norm = float(norm)
     if type(norm) is not float or not math.isfinite(norm) or norm < 0.0:
         return dict(NO_METADATA)
-    for key in ("digest", "carry_digest"):
+    for key in ("digest", "carry_digest", "attested_digest"):
         if type(raw[key]) is not str or len(raw[key]) > MAX_DIGEST:
             return dict(NO_METADATA)
     if not addrs_ok(raw["addrs"]):
@@ -162,6 +166,40 @@ def canonical_state(held: Mapping[K, Link], attested: Link | None = None) -> tup
         key=lambda s: (claims.count(s), s == attested, s[0], [-ord(ch) for ch in s[1]]),
     )
     return head, [p for p, s in held.items() if s == head]
+
+
+class Undecided(ValueError):
+    """A group whose members tie on the state they hold and do not agree which one the
+    stage attested: no member may step any of them."""
+
+
+def named_attested(g: Mapping[str, Any]) -> Link | None:
+    """The attested state one member's gathered metadata names, None for none."""
+    rnd = int(g["attested_round"])
+    return None if rnd < 0 else (rnd, str(g["attested_digest"]))
+
+
+def group_canonical(held: Mapping[K, Link], named: Sequence[Link | None]) -> tuple[Link, list[K]]:
+    """`canonical_state` of a group whose members name, in their gathered metadata, the
+    attested state each heard of last (`named`). The tie-break needs one attested state
+    for the whole group: each member's own view differs for a heartbeat after a round,
+    and two members stepping two states in one group round leave the stage split. So the
+    group takes the state more than half of its members name (None when that is no
+    state); when the held states tie and no state is named by more than half, it raises
+    `Undecided` (each member then rounds alone, as when no group forms). A minority
+    cannot name the tie-break; in a group of two, either member can refuse it."""
+    claims = list(held.values())
+    top = max(claims.count(s) for s in set(claims))
+    if sum(1 for s in set(claims) if claims.count(s) == top) < 2:
+        return canonical_state(held)
+    counts = Counter(named)
+    value, n = counts.most_common(1)[0] if counts else (None, 0)
+    if 2 * n <= len(named):
+        raise Undecided(
+            f"members tie on {top} holder(s) each and name {len(counts)} attested states "
+            f"(none by more than half): {sorted(counts.items(), key=str)[:4]}"
+        )
+    return canonical_state(held, value)
 
 
 def carried_view(
@@ -250,9 +288,10 @@ def audit_choice(group_id: bytes, members: int, parts: int) -> tuple[int, int] |
 
 def needs_others(reason: str) -> bool:
     """Whether a rejection reason is one a member cannot re-check from its own
-    contribution alone: the median check's, or the pair bound's (`node.diloco.
-    pair_problem`, against the reducer's own contribution). The audit re-checks them."""
-    return "median" in reason or reason.startswith("pair: ")
+    contribution alone: the median check's, the pair bound's (`node.diloco.
+    pair_problem`, against the reducer's own contribution) or the majority's direction
+    (`node.diloco.direction_problems`). The audit re-checks them."""
+    return "median" in reason or reason.startswith(("pair: ", "direction: "))
 
 
 def own_entry_finding(

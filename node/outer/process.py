@@ -59,7 +59,7 @@ from node.outer.contract import (
     encode,
 )
 from node.outer.contract_fields import MAX_ADDR, MAX_PEERS, MAX_TEXT
-from node.outer.parts import MAX_ADDRS, canonical_state, group_target
+from node.outer.parts import MAX_ADDRS, group_canonical, group_target, named_attested
 from node.outer.settings import MAX_COUNT
 from node.outer.state_download import state_digest
 from node.outer.wire import compression
@@ -345,7 +345,7 @@ class OuterProcess:
         t0 = time.monotonic()
         if self.state is None:
             return RoundFailed(error="no state: call set_state or fetch_state first")
-        self.averager.prepare(members, attested)
+        self.averager.prepare(members)
         base = self.state
         delta = base.theta_g - self.snap
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
@@ -370,6 +370,10 @@ class OuterProcess:
             "carry_round": self.carry_base[0] if self.carry_base else -1,
             "carry_digest": self.carry_base[1] if self.carry_base else "",
             "carry_tokens": self.carry_tokens if self.carry_base else 0,
+            # the group breaks a tie on the state its members hold by the attested state
+            # most of them name (node.outer.parts.group_canonical)
+            "attested_round": attested[0] if attested is not None else -1,
+            "attested_digest": attested[1] if attested is not None else "",
         }
         try:
             info = self.averager.step(
@@ -382,14 +386,14 @@ class OuterProcess:
             log.info("no group this round (%r); stepping alone", exc)
             info = None
         bytes_out, bytes_in, rejected, carried = 0, 0, {}, False
-        agreed = self.agreed(info, attested) if isinstance(info, dict) else None
+        agreed = self.agreed(info) if isinstance(info, dict) else None
         accused = caught(info) if isinstance(info, dict) else {}
         if isinstance(info, dict) and not info.get("has_delta") and len(info["gathered"]) > 1:
             # A group formed but had nothing to average (no tokens anywhere, e.g. replicas
             # out of data whose trained work waits for a group round): it still settles
             # which state is the stage's.
             rejected = {str(k): str(v) for k, v in info["rejected"].items()}
-            applied, rnd, size, rebased_now = self.settle_group_round(info, attested)
+            applied, rnd, size, rebased_now = self.settle_group_round(info)
             rebased = rebased or rebased_now
             eta_r, used, contributed = 0.0, 0, False
         elif not isinstance(info, dict) or not info.get("has_delta"):
@@ -403,7 +407,7 @@ class OuterProcess:
             carried = bool(info.get("carried"))
             if carried:  # the lone steps rode in this round, whatever became of it
                 self.carry_base, self.carry_tokens = None, 0
-            applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d, attested)
+            applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d)
             rebased = rebased or adopted
             contributed = applied and self.own_weight(info) > 0.0
         with self.lock:
@@ -454,31 +458,29 @@ class OuterProcess:
         return float(info["weights"][contributors.index(me)]) if me in contributors else 0.0
 
     @staticmethod
-    def canonical(info: dict[str, Any], attested: Link | None = None) -> tuple[Link, list[str]]:
+    def canonical(info: dict[str, Any]) -> tuple[Link, list[str]]:
         """The group's canonical (round, digest) and the members holding it
-        (`node.outer.parts.canonical_state`)."""
+        (`node.outer.parts.group_canonical`, as the averager found it)."""
         gathered: dict[str, dict[str, Any]] = info["gathered"]
         held = {p: (int(g["round"]), str(g["digest"])) for p, g in gathered.items()}
-        return canonical_state(held, attested)
+        return group_canonical(held, [named_attested(g) for g in gathered.values()])
 
     @classmethod
-    def agreed(cls, info: dict[str, Any], attested: Link | None = None) -> Link | None:
+    def agreed(cls, info: dict[str, Any]) -> Link | None:
         """The group's canonical state when at least two members held it as the round
         began, else None. Two holders of one state make it the stage's (the commit rule,
         node/lease_pool.py): a state only one replica held may still lose to another of
         the same round at the next group, whatever this round made of it."""
         if len(info.get("gathered", ())) < 2:
             return None
-        head, holders = cls.canonical(info, attested)
+        head, holders = cls.canonical(info)
         return head if len(holders) >= 2 else None
 
-    def settle_group_round(
-        self, info: dict[str, Any], attested: Link | None
-    ) -> tuple[bool, int, int, bool]:
+    def settle_group_round(self, info: dict[str, Any]) -> tuple[bool, int, int, bool]:
         """A group with nothing to average: the holders of its canonical state keep it
         (the group settled on it: `applied`, though the state is unchanged), the others
         download exactly that state from them. Returns (applied, round, size, adopted)."""
-        head, holders = self.canonical(info, attested)
+        head, holders = self.canonical(info)
         st = self.state
         assert st is not None
         size = len(info["gathered"])
@@ -489,11 +491,11 @@ class OuterProcess:
         return ok, self.state.round if self.state else -1, size, ok
 
     def finish_group_round(
-        self, info: dict[str, Any], d: torch.Tensor, attested: Link | None
+        self, info: dict[str, Any], d: torch.Tensor
     ) -> tuple[bool, int, float, int, int, bool]:
         """Step when holding the group's canonical (round, digest); otherwise adopt the
         state a holder stepped to."""
-        head, holders = self.canonical(info, attested)
+        head, holders = self.canonical(info)
         st = self.state
         assert st is not None
         tokens = int(info["tokens"])
