@@ -63,6 +63,7 @@ GRID_DEFAULTS: dict[str, list[Any]] = {
     "grant_tokens": [_SETTING.grant_tokens],
     "lease_pool": [_SETTING.lease_pool],
     "shuffle_windows": [_SETTING.shuffle_windows],
+    "robust": [_SETTING.robust],
 }
 
 
@@ -191,6 +192,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--inner-schedule", type=_words(SCHEDULES), help="constant | cosine")
     p.add_argument(
+        "--robust", type=_switches,
+        help="on | off (comma list): the node's robust aggregation (outer_robust) or the plain"
+        " weighted mean (default on)",
+    )  # fmt: skip
+    p.add_argument(
         "--outer-compression", type=_words(OUTER_CODECS),
         help="none | fp16 | uint8, or sparse1 | sparse3 (top 1 / 3 %% of each chunk at 2 bits,"
              " error feedback; simulation only)",
@@ -227,7 +233,7 @@ def _axes(args: argparse.Namespace, grid: bool) -> dict[str, list[Any]]:
         "eta": [node.eta], "mu": [node.mu], "H": [node.H], "p": [node.p], "churn": [0.0],
         "data": ["random"], "inner_schedule": ["constant"], "outer_compression": ["none"],
         "clip_rel": [node.clip_rel], "grant_tokens": [node.grant_tokens], "lease_pool": [node.lease_pool],
-        "shuffle_windows": [node.shuffle_windows],
+        "shuffle_windows": [node.shuffle_windows], "robust": [node.robust],
     }  # fmt: skip
     base = GRID_DEFAULTS if grid else single
     given = {k: getattr(args, k) for k in base}
@@ -252,6 +258,8 @@ def _row(
         "inner_schedule": s.inner_schedule,
         "outer_compression": s.outer_compression,
         "clip_rel": s.clip_rel,
+        "robust": s.robust,
+        "rejected_contributions": sum(lg.rejected for lg in r.log),
         "eval_loss": r.eval_loss,
         "central_eval_loss": central_loss,
         "gap_pct": 100.0 * (r.eval_loss - central_loss) / central_loss,
@@ -450,13 +458,14 @@ def _table(out: dict[str, Any]) -> None:
         print(f"central: eval loss {ref['eval_loss']:.4f} at {ref['tokens_trained']:,} tokens")
     head = (
         f"{'stage':<14}{'eta':>5}{'mu':>5}{'H':>4}{'p':>5}{'churn':>6}  {'data':<20}{'sched':<9}"
-        f"{'wire':<6}{'clip':>5}{'rounds':>8}{'eta_r':>7}{'eval':>8}{'gap %':>8}{'wall s':>8}"
+        f"{'wire':<6}{'clip':>5}{'rob':>4}{'rej':>4}{'rounds':>8}{'eta_r':>7}{'eval':>8}{'gap %':>8}{'wall s':>8}"
     )
     print(head)
     for r in out["rows"]:
         print(
             f"{r['stage']:<14}{r['eta']:>5g}{r['mu']:>5g}{r['H']:>4}{r['p']:>5g}{r['churn']:>6g}"
             f"  {_data_cell(r):<20}{r['inner_schedule']:<9}{r['outer_compression']:<6}"
-            f"{r['clip_rel']:>5g}{r['rounds_applied']:>4}/{r['rounds']:<3}{r['mean_eta_r']:>7.3f}"
+            f"{r['clip_rel']:>5g}{'on' if r['robust'] else 'off':>4}{r['rejected_contributions']:>4}"
+            f"{r['rounds_applied']:>4}/{r['rounds']:<3}{r['mean_eta_r']:>7.3f}"
             f"{r['eval_loss']:>8.4f}{r['gap_pct']:>+8.2f}{r['wall_s']:>8.1f}"
         )

@@ -57,7 +57,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -155,6 +155,9 @@ class Setting:
     outer_compression: str = "none"  # (name)
     # centered clipping at this x the median norm, groups of >= 3 (0: the weighted mean)
     clip_rel: float = DilocoConfig().clip_rel
+    # the node's robust aggregation (`outer_robust`): with it off, the plain weighted mean
+    # (no centered clipping, no pair or direction bound), as `outer_robust = false` (switch)
+    robust: bool = True
     stage: str = ""  # which part of the grid asked for it (label)
 
     def __post_init__(self) -> None:
@@ -219,6 +222,7 @@ class RoundLog:
     # with two contributions: the cosine of their pseudo-gradients (as sent), what the
     # pair bound (node.diloco.pair_problem) checks against its floor
     pair_cos: float | None = None
+    rejected: int = 0  # contributions the outer step left out (count)
 
 
 @dataclass
@@ -249,6 +253,8 @@ class Simulation:
             eta=setting.eta, mu=setting.mu, participation_power=setting.p,
             target_tokens=per_round, clip_rel=setting.clip_rel,
         )  # fmt: skip
+        if not setting.robust:  # as node.outer_loop.outer_config does for outer_robust off
+            self.dcfg = replace(self.dcfg, clip_rel=0.0, pair_max_ratio=0.0, pair_cos_sigmas=0.0)
         self.churn_rng = random.Random(common.seed)
         self.leases = LeaseQueue(dataset)
         self.grants = GrantQueue(
@@ -379,6 +385,7 @@ class Simulation:
             train_loss=sum(losses) / len(losses) if losses else float("nan"),
             events=list(self._events),
             pair_cos=cos,
+            rejected=len(rep_.rejected) if rep_ is not None else 0,
         )
 
     def round(self, k: int) -> RoundLog:

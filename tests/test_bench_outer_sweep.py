@@ -215,3 +215,23 @@ def test_pooled_defaults_are_the_coordinators_and_the_nodes(tmp_path: Path) -> N
         ("pooled", 1024, 2, True), ("pooled", 1024, 2, False)
     ]  # fmt: skip
     assert all(math.isfinite(r["eval_loss"]) for r in rows)
+
+
+def test_robust_aggregation_is_a_switch_the_sweep_compares(tmp_path: Path) -> None:
+    """`--robust on,off`: the node's robust aggregation (its default) against the plain
+    weighted mean, each row counting the contributions its outer steps left out."""
+    node = {f.name: f.default for f in dataclasses.fields(NodeConfig)}
+    assert Setting().robust == node["outer_robust"]
+    out = tmp_path / "sweep.json"
+    rc = main(
+        [
+            "--tokens", "3072", "--batch-size", "6", "--seq-len", "64", "--H", "2",
+            "--replicas", "3", "--robust", "on,off", "--eval-batches", "1",
+            "--json", str(out), "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["robust"] for r in rows] == [True, False]
+    assert all(r["rejected_contributions"] >= 0 and math.isfinite(r["eval_loss"]) for r in rows)
+    assert rows[1]["rejected_contributions"] == 0  # the plain mean leaves nothing out
