@@ -9,7 +9,8 @@ state (coordinator.attest: the newest state a majority of the stage's replicas r
 passed in `Begin`) is newer than ours, downloading exactly that state; average with
 whoever forms a group before `matchmaking_s` (alone otherwise); apply elastic Nesterov
 when this replica holds the group's canonical state (the state most members hold; among
-equally held ones the attested state, then the newest round), or adopt the stepped state
+equally held ones the attested state more than half the members name, then the newest
+round: `node.outer.parts.group_canonical`), or adopt the stepped state
 from a groupmate that held it when it does not. A replica that stepped alone since it
 last held a group's state carries those steps: when its group steps that earlier state,
 its contribution is its whole progress from it (`node.outer.parts.carried_view`), so
