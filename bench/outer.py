@@ -124,7 +124,11 @@ def _one_round(
         for link in links[1:]:
             if link.fetch_state(timeout=cfg.state_timeout_s) != 0:
                 raise RuntimeError("a replica could not download the first one's state")
-        works = [theta0 - 0.01 * torch.randn(numel, generator=g) for _ in links]
+        # each replica's step: one shared by all (they descend one loss from one theta_g)
+        # plus its own, as honest pseudo-gradients point alike; unrelated random steps
+        # would be rejected by the robust aggregation's direction rules and send no part
+        common = torch.randn(numel, generator=g)
+        works = [theta0 - 0.01 * (common + torch.randn(numel, generator=g)) for _ in links]
         cpu0 = [cpu_seconds(link.pid) for link in links]
         for i, (link, work) in enumerate(zip(links, works, strict=True)):
             if i:
