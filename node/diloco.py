@@ -12,7 +12,7 @@ order get bitwise-identical results.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -258,7 +258,10 @@ DIRECTION_MAX_FLOOR = 0.25
 
 
 def direction_problems(
-    deltas: Sequence[torch.Tensor], candidates: Sequence[int], cos_sigmas: float
+    deltas: Sequence[torch.Tensor],
+    candidates: Sequence[int],
+    cos_sigmas: float,
+    norms: Mapping[int, float] | None = None,
 ) -> dict[int, tuple[str, bool]]:
     """With three or more candidate contributions, the ones that point like too few of the
     others: contribution i agrees with j when their cosine is at least `cos_sigmas /
@@ -268,15 +271,17 @@ def direction_problems(
     descend one loss from one theta_g, so each agrees with every other honest one, and
     fewer than half the candidates lying can neither reject an honest contribution nor
     keep one that points across or against every honest one (a sign flip, noise).
-    Returns index -> (reason, whether it is opposed, cosine below `OPPOSED_COS`, to more
-    than half of the others: no honest replica sends that, so it is reported)."""
+    `norms`: the candidates' L2 norms where the caller has them. Returns index -> (reason,
+    whether it is opposed, cosine below `OPPOSED_COS`, to more than half of the others:
+    no honest replica sends that, so it is reported)."""
     m = len(candidates)
     if m < 3 or cos_sigmas <= 0.0:
         return {}
     floor = cos_sigmas / math.sqrt(deltas[candidates[0]].numel())
     if floor > DIRECTION_MAX_FLOOR:
         return {}
-    norms = {i: float(torch.linalg.vector_norm(deltas[i])) for i in candidates}
+    if norms is None:
+        norms = {i: float(torch.linalg.vector_norm(deltas[i])) for i in candidates}
     cos: dict[tuple[int, int], float] = {}
     for a, i in enumerate(candidates):
         for j in candidates[a + 1 :]:
@@ -332,7 +337,7 @@ def _aggregate(
                 weights[i] = 0.0
     pair = [i for i in norms if weights[i] > 0.0]
     for i, (reason, opposed) in direction_problems(
-        [c.delta for c in contribs], pair, cfg.pair_cos_sigmas
+        [c.delta for c in contribs], pair, cfg.pair_cos_sigmas, norms
     ).items():
         rejected[i], weights[i] = reason, 0.0
         if opposed:

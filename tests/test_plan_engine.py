@@ -31,6 +31,22 @@ def test_processor_sharing_splits_cores() -> None:
     assert one.busy_s == pytest.approx(2.0) and two.busy_s == pytest.approx(3.0)
 
 
+def test_oversubscription_costs_contention_per_thread_beyond_the_cores() -> None:
+    """Four tasks on two cores with contention 0.3: twice the threads the cores hold, so
+    each progresses at 2/4 / (1 + 0.3) of a core; two tasks (no oversubscription) pay
+    nothing extra."""
+    eng = Engine()
+    crowded, calm = Host(eng, 2.0, contention=0.3), Host(eng, 2.0, contention=0.3)
+    done: dict[str, float] = {}
+    for i in range(4):
+        crowded.submit(1.0, lambda i=i: done.__setitem__(f"crowded{i}", eng.now))
+    for i in range(2):
+        calm.submit(1.0, lambda i=i: done.__setitem__(f"calm{i}", eng.now))
+    eng.run(10.0)
+    assert all(done[f"crowded{i}"] == pytest.approx(2.0 * 1.3) for i in range(4))
+    assert all(done[f"calm{i}"] == pytest.approx(1.0) for i in range(2))
+
+
 def test_a_task_submitted_later_shares_from_then_on() -> None:
     eng = Engine()
     host = Host(eng, 1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -210,3 +211,31 @@ def test_the_calibration_scales_the_profile_to_the_torch_cpu_seen_in_the_swarm()
     scaled = profile.scaled(1.3)
     assert compute_per_mb(scaled, NODE) == pytest.approx([1.3 * c for c in compute])
     assert [s.fwd_bytes for s in scaled.stages] == [s.fwd_bytes for s in profile.stages]
+
+
+@pytest.mark.parametrize("contention", [0.0, 0.4])
+def test_the_contention_fit_finds_the_contention_that_slowed_the_4x1_swarm(
+    contention: float,
+) -> None:
+    """A 4 x 1 swarm simulated with a known `cpu_contention` is the "measured" one: the
+    fit gives that contention back, and it costs tokens/s."""
+    from swarmlab.plan.validate import LOOPBACK, NODE, fit_contention, predict_shape
+
+    three = Profile.from_dict(
+        json.loads((REPO / "docs/plan/validation.json").read_text())["validation"]["measured"][
+            "profiles"
+        ]["3"]
+    )
+    four = Profile(device="cpu", source="test", stages=[three.stages[i] for i in (0, 1, 1, 2)])
+    base = Timings(host_cores=2, msg_cpu_s=0.0025, node_bg_threads=0.023)
+    window = {"window_s": 30.0, "warmup_s": 5.0}
+
+    def tps(c: float) -> float:
+        t = dataclasses.replace(base, cpu_contention=c)
+        return float(
+            predict_shape(four, 4, 1, NODE, LOOPBACK, t, reroute=False, **window)["tokens_per_s"]
+        )
+
+    measured = tps(contention)
+    assert fit_contention(four, measured, base, **window) == pytest.approx(contention, abs=0.05)
+    assert tps(0.4) < 0.9 * tps(0.0)  # four processes on two cores: the model bites

@@ -188,9 +188,9 @@ def group_canonical(held: Mapping[K, Link], named: Sequence[Link | None]) -> tup
     state); when the held states tie and no state is named by more than half, it raises
     `Undecided` (each member then rounds alone, as when no group forms). A minority
     cannot name the tie-break; in a group of two, either member can refuse it."""
-    claims = list(held.values())
-    top = max(claims.count(s) for s in set(claims))
-    if sum(1 for s in set(claims) if claims.count(s) == top) < 2:
+    holders = Counter(held.values())
+    top = max(holders.values())
+    if sum(1 for n in holders.values() if n == top) < 2:
         return canonical_state(held)
     counts = Counter(named)
     value, n = counts.most_common(1)[0] if counts else (None, 0)

@@ -3,9 +3,10 @@ links. No knowledge of Agora's rules (swarmlab/plan/sim.py has those).
 
 - `Engine`: a heap of (time, callback); `run(until)` advances simulated seconds.
 - `Host`: cores shared by processor sharing: n busy tasks on c cores each progress at
-  min(1, c / (n + b)) of a core, where b counts always-runnable threads outside the
-  simulation (a node's outer process and p2p daemon; a loopback swarm's nodes share
-  this machine's two cores).
+  min(1, c / (n + b)) / (1 + k max(0, (n + b) / c - 1)) of a core, where b counts
+  always-runnable threads outside the simulation (a node's outer process and p2p daemon;
+  a loopback swarm's nodes share this machine's two cores) and k (`contention`) is the
+  extra CPU the same work costs per thread of oversubscription (switching, caches).
 - `Worker`: a node's one torch thread, running one job at a time on its host in the
   order of the node's `WorkerGate`: retried work, then backwards, then fresh forwards,
   each in arrival order; `URGENT` (outer-round snapshots and merges, inner steps) goes
@@ -52,9 +53,10 @@ class Engine:
 class Host:
     """Processor sharing over `cores`; `submit(work_s, done)` runs `work_s` core-seconds."""
 
-    def __init__(self, engine: Engine, cores: float) -> None:
+    def __init__(self, engine: Engine, cores: float, contention: float = 0.0) -> None:
         self.engine = engine
         self.cores = cores
+        self.contention = contention  # extra CPU per unit of oversubscription (fraction)
         self.background = 0.0  # always-runnable threads outside the simulation (count)
         self._tasks: dict[int, list[object]] = {}  # id -> [remaining core-seconds, done]
         self._ids = 0
@@ -65,7 +67,9 @@ class Host:
     def _rate(self) -> float:
         if not self._tasks:
             return 0.0
-        return min(1.0, self.cores / (len(self._tasks) + self.background))
+        load = len(self._tasks) + self.background
+        over = max(0.0, load / self.cores - 1.0)
+        return min(1.0, self.cores / load) / (1.0 + self.contention * over)
 
     def _advance(self) -> None:
         dt = self.engine.now - self._last

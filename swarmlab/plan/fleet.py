@@ -100,6 +100,10 @@ class Timings:
     # is that calibration on this machine since the outer loop's matchmaking is paced
     # (0.025 of a core a node; it was 0.66, about one thread, before: docs/scale.md)
     node_bg_threads: float = 0.025
+    # extra CPU the same work costs on a shared host per runnable thread beyond its cores,
+    # per core (switching, caches): 0 charges every task the profile's cost. `agora plan
+    # --validate` fits it on a 4 x 1 swarm (docs/plan.md) (fraction)
+    cpu_contention: float = 0.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,6 +158,8 @@ class Fleet:
             raise ValueError("fleet node: micro_batch, seq_len, in_flight, inner_batch_tokens >= 1")
         if n.activation_cache < n.in_flight:
             raise ValueError("fleet node: activation_cache must hold at least in_flight")
+        if self.timings.cpu_contention < 0:
+            raise ValueError("fleet timings: cpu_contention must be >= 0")
         if self.timings.lease_ttl_s < 2 * self.timings.heartbeat_s:
             raise ValueError("fleet timings: lease_ttl_s must be at least twice heartbeat_s")
 

@@ -93,7 +93,7 @@ class SwarmSim:
         if not self._shared(g):
             return Host(self.eng, 1.0)  # a dedicated device
         if g.host not in self.hosts:
-            self.hosts[g.host] = Host(self.eng, float(self.t.host_cores))
+            self.hosts[g.host] = Host(self.eng, float(self.t.host_cores), self.t.cpu_contention)
         return self.hosts[g.host]
 
     def add_peer(self, g: PeerGroup, stage: int | None = None) -> SimPeer:

@@ -13,6 +13,12 @@ does not see, and on a two-core machine that decides the throughput:
   swarm from the CPU its outer processes took. When hivemind's leader search spun
   (before `node.outer.paced_leaders`) that was about one thread a node (0.66 of a core
   each, measured); paced, far less.
+- The same torch work costs more CPU when more runnable threads than cores share the
+  box (switching, caches): 2 % over the profile with the 2 x 1 swarm's two nodes, 15-24 %
+  with four to six (docs/scale.md). The host charges `cpu_contention` more CPU per
+  runnable thread beyond its cores, per core (`engine.Host`), fitted so that the
+  simulated 4 x 1 swarm (four processes on the two cores, not validated either) trains
+  the tokens/s the real one did.
 
 Then each loopback shape (stages x replicas: 2x2, 3x2, 2x3) runs for real
 (`measure.measure_shape`: node defaults but rounds every `outer_every_steps`, so that a
@@ -40,8 +46,10 @@ from swarmlab.plan.profile import Profile, measure_cpu
 from swarmlab.plan.sim import SwarmSim
 
 SHAPES = ((2, 2), (3, 2), (2, 3))
-STAGE_COUNTS = (2, 3)
+CALIBRATION = ((2, 1), (4, 1))  # the calibration swarms: none of them is validated
+STAGE_COUNTS = (2, 3, 4)
 KILL_AFTER_S = 30.0  # simulated seconds after the window before the re-route kill
+CONTENTION_MAX = 2.0  # the largest cpu_contention the fit will give (fraction)
 REROUTE_TRIALS = 5  # kills per shape, real and simulated (the median is compared)
 LOOPBACK = {"up_mbit": 4000.0, "down_mbit": 4000.0, "rtt_ms": (0.2, 0.2)}
 SHAPED = {"up_mbit": 80.0, "down_mbit": 80.0, "rtt_ms": (40.0, 40.0)}
@@ -153,17 +161,44 @@ def calibrate(
     return {"msg_cpu_s": max(0.0, sum(extra) / 2), "node_bg_threads": w, "profile_scale": scale}
 
 
+def fit_contention(
+    profile: Profile, measured_tps: float, timings: Timings, *, window_s: float, warmup_s: float
+) -> float:
+    """The `cpu_contention` at which the simulated 4 x 1 swarm (`profile`: the 4-stage
+    profile, already scaled) trains `measured_tps` tokens/s, by bisection: more
+    contention, fewer tokens/s. Clamped to [0, CONTENTION_MAX]."""
+
+    def tps(c: float) -> float:
+        t = dataclasses.replace(timings, cpu_contention=c)
+        stages, replicas = CALIBRATION[1]
+        r = predict_shape(
+            profile, stages, replicas, NODE, LOOPBACK, t, window_s=window_s,
+            warmup_s=warmup_s, reroute=False,
+        )  # fmt: skip
+        return float(r["tokens_per_s"])
+
+    lo, hi = 0.0, CONTENTION_MAX
+    if tps(lo) <= measured_tps:
+        return lo
+    if tps(hi) >= measured_tps:
+        return hi
+    for _ in range(14):  # to within CONTENTION_MAX / 2**14
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tps(mid) > measured_tps else (lo, mid)
+    return (lo + hi) / 2
+
+
 def measure_all(
     model: ModelConfig, preset: str, *, window_s: float, warmup_s: float, shaped: bool, say: Say
 ) -> dict[str, dict[str, Any]]:
-    """Every real swarm the validation needs: 2x1 (calibration), the loopback shapes and
-    (with `shaped`) the shaped 2x2; keyed by shape name."""
+    """Every real swarm the validation needs: 2x1 and 4x1 (calibration), the loopback
+    shapes and (with `shaped`) the shaped 2x2; keyed by shape name."""
     values = {"outer_every_steps": NODE.outer_every_steps}
     out: dict[str, dict[str, Any]] = {}
     # the stages' torch costs, on the idle machine just before the real swarms
     out["profiles"] = {str(k): measure_cpu(model, k, NODE).to_dict() for k in STAGE_COUNTS}
     with tempfile.TemporaryDirectory(prefix="agora-plan-") as tmp:
-        for stages, replicas in ((2, 1), *SHAPES):
+        for stages, replicas in (*CALIBRATION, *SHAPES):
             name = f"{stages}x{replicas}"
             say(f"real swarm {name} on loopback")
             try:
@@ -185,9 +220,14 @@ def measure_all(
 def validate(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The simulator's predictions for each measured shape, with the errors."""
     window_s, warmup_s = measured["window"]["window_s"], measured["window"]["warmup_s"]
-    profiles = {k: Profile.from_dict(measured["profiles"][str(k)]) for k in STAGE_COUNTS}
-    if "error" in measured["2x1"]:
-        raise ValueError(f"the 2x1 calibration swarm failed: {measured['2x1']['error']}")
+    profiles = {
+        k: Profile.from_dict(measured["profiles"][str(k)])
+        for k in STAGE_COUNTS
+        if str(k) in measured["profiles"]
+    }
+    for name in ("2x1", "4x1"):
+        if "error" in measured.get(name, {}):
+            raise ValueError(f"the {name} calibration swarm failed: {measured[name]['error']}")
     cores = os.cpu_count() or 2
     cal = calibrate(NODE, measured["2x1"], profiles[2], cores)
     profiles = {k: p.scaled(cal["profile_scale"]) for k, p in profiles.items()}
@@ -196,6 +236,14 @@ def validate(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
         msg_cpu_s=cal["msg_cpu_s"],
         node_bg_threads=cal["node_bg_threads"],
     )
+    calibrated_on = "2x1"
+    if "4x1" in measured and 4 in profiles:  # reports before the 4x1 swarm have none
+        cal["cpu_contention"] = fit_contention(
+            profiles[4], measured["4x1"]["tokens_per_s"], timings,
+            window_s=window_s, warmup_s=warmup_s,
+        )  # fmt: skip
+        timings = dataclasses.replace(timings, cpu_contention=cal["cpu_contention"])
+        calibrated_on = "2x1, 4x1"
     rows = []
     for name, link in [
         *[(f"{s}x{r}", LOOPBACK) for s, r in SHAPES],
@@ -213,7 +261,7 @@ def validate(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "rows": rows,
         "calibration": cal,
-        "calibrated_on": "2x1",
+        "calibrated_on": calibrated_on,
         "node_bg_threads": timings.node_bg_threads,
         "measured": measured,
     }
