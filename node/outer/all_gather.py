@@ -21,6 +21,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from node.diloco import Contribution, aggregate
 from node.outer.parts import group_claims
+from node.outer.round_book import RoundBook
 from node.outer.round_host import GroupRoundHost
 from node.outer.wire import decode_tensor
 
@@ -47,7 +48,7 @@ class _Exchange:
 class AllGatherRounds(GroupRoundHost):
     """The all-gather scheme, mixed into `StageAverager`."""
 
-    _exchanges: dict[bytes, _Exchange]
+    _exchanges: RoundBook[_Exchange]
 
     async def _all_gather(
         self, group_info: GroupInfo, gathered: dict[PeerID, dict[str, Any]], flat: torch.Tensor
@@ -59,8 +60,7 @@ class AllGatherRounds(GroupRoundHost):
         mine = list(split_for_streaming(serialized))
         bytes_out_each = sum(len(p.buffer) for p in mine)
         ex = _Exchange(group_info.peer_ids, mine)
-        self._exchanges[group_info.group_id] = ex
-        self._announce_round()
+        self._exchanges.register(group_info.group_id, ex)
         try:
             me = group_info.peer_ids.index(self.peer_id)
             callees = [p for p in group_info.peer_ids[me + 1 :]]
@@ -114,7 +114,7 @@ class AllGatherRounds(GroupRoundHost):
                 "raw_bytes": flat.numel() * flat.element_size(),
             }
         finally:
-            self._exchanges.pop(group_info.group_id, None)
+            self._exchanges.end(group_info.group_id)
 
     # ---- reduce-scatter + all-gather of compressed parts ---------------------------------
 
@@ -163,7 +163,7 @@ class AllGatherRounds(GroupRoundHost):
         timeout = self._exchange_timeout
         try:
             first = await asyncio.wait_for(stream.__anext__(), timeout)
-            ex = await self._registered_round(self._exchanges, first.group_id, timeout)
+            ex = await self._exchanges.find(first.group_id, timeout)
             if ex is None:
                 yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
                 return

@@ -58,6 +58,7 @@ from node.outer.parts import (
     named_attested,
 )
 from node.outer.reduce_scatter import ReduceScatterRounds, _Round
+from node.outer.round_book import RoundBook
 from node.outer.settings import AVERAGINGS
 from node.outer.state_download import StateDownload, state_digest
 
@@ -98,7 +99,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         if scheme not in AVERAGINGS:
             raise ValueError(f"scheme must be one of {AVERAGINGS}, got {scheme!r}")
         self._scheme = scheme
-        self._rounds: dict[bytes, _Round] = {}
+        self._rounds: RoundBook[_Round] = RoundBook()
         self._wire = wire_compression
         self._diloco = diloco
         self._exchange_timeout = exchange_timeout
@@ -107,8 +108,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         # bytes/s a state source must keep on average once its first `next_chunk_timeout`
         # is over (0: no floor)
         self._state_min_rate = state_min_rate
-        self._exchanges: dict[bytes, _Exchange] = {}
-        self._registered: asyncio.Event | None = None
+        self._exchanges: RoundBook[_Exchange] = RoundBook()
         self._announce = list(announce)[:MAX_ADDRS]  # where our DHT listens (no /p2p/)
         # the stage's replicas as the coordinator lists them (base58 peer ids; the
         # averager process's copy, set by `prepare`): no other peer joins a group of

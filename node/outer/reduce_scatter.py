@@ -42,6 +42,7 @@ from node.outer.parts import (
     group_ref_norm,
     own_entry_finding,
 )
+from node.outer.round_book import RoundBook
 from node.outer.round_host import GroupRoundHost
 from node.outer.wire import decode_tensor
 
@@ -115,7 +116,7 @@ class _Round:
 class ReduceScatterRounds(GroupRoundHost):
     """The reduce-scatter scheme, mixed into `StageAverager`."""
 
-    _rounds: dict[bytes, _Round]
+    _rounds: RoundBook[_Round]
 
     async def _reduce_scatter(
         self, group_info: GroupInfo, gathered: dict[PeerID, dict[str, Any]], flat: torch.Tensor
@@ -144,8 +145,7 @@ class ReduceScatterRounds(GroupRoundHost):
         ]
         sent_digests = [_digest_of(m) for m in mine]
         gid = group_info.group_id
-        self._rounds[gid] = rnd
-        self._announce_round()
+        self._rounds.register(gid, rnd)
         tasks: dict[str, asyncio.Task[bool]] = {}
         try:
             for j in range(len(bounds)):
@@ -202,7 +202,7 @@ class ReduceScatterRounds(GroupRoundHost):
         finally:
             for task in tasks.values():
                 task.cancel()
-            self._rounds.pop(gid, None)
+            self._rounds.end(gid)
 
     def _part_context(
         self, peers: list[PeerID], gathered: dict[PeerID, dict[str, Any]]
@@ -441,7 +441,7 @@ class ReduceScatterRounds(GroupRoundHost):
         sender = context.remote_id
         try:
             first = await asyncio.wait_for(stream.__anext__(), timeout)
-            rnd = await self._registered_round(self._rounds, first.group_id, timeout)
+            rnd = await self._rounds.find(first.group_id, timeout)
             if rnd is None:
                 return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             if sender not in rnd.peer_ids or sender == self.peer_id:
