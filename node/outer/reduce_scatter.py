@@ -400,8 +400,8 @@ class ReduceScatterRounds(GroupRoundHost):
         acknowledges a copy of what it already holds, so a resend never counts twice.
         A refusal (any reply but ACCEPTED) is final. A connection between the two p2p
         daemons can break so that every new stream on it is reset at once, for tens of
-        seconds (seen in groups of three on a loaded box): after
-        each `PUSH_RESETS_BEFORE_REDIAL` resets in a row it is dropped and dialled again."""
+        seconds (seen in groups of three on a loaded box): after every
+        `PUSH_RESETS_BEFORE_REDIAL` resets in a row it is dropped and dialled again."""
 
         async def requests() -> AsyncIterator[averaging_pb2.AveragingData]:
             yield averaging_pb2.AveragingData(
