@@ -58,3 +58,12 @@ def test_the_book_remembers_only_the_last_ended_rounds() -> None:
 
     assert asyncio.run(waits(bytes([4]))) < 0.1  # remembered
     assert asyncio.run(waits(bytes([0]))) >= 0.19  # forgotten: waits like an unknown one
+
+
+def test_an_ended_round_keeps_the_receipts_of_what_it_accepted() -> None:
+    book: RoundBook[str] = RoundBook()
+    book.register(b"g1", "round g1")
+    book.end(b"g1", frozenset({("peer a", b"header 1")}))
+    assert ("peer a", b"header 1") in book.receipts(b"g1")
+    assert ("peer a", b"header 2") not in book.receipts(b"g1")
+    assert book.receipts(b"never seen") == frozenset()

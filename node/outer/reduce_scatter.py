@@ -85,6 +85,9 @@ class _Round:
         self.changed = asyncio.Event()  # set whenever something arrives
         self.bytes_in = 0  # tensor bytes received (wire)
         self.bytes_out = 0  # tensor bytes sent and acknowledged (wire)
+        # (sender, header) of every push accepted: an ended round still acknowledges a
+        # resend of one of them
+        self.receipts: set[tuple[PeerID, bytes]] = set()
 
     def owed(self, kind: str) -> int:
         """How many pushes of `kind` this member waits for."""
@@ -205,7 +208,7 @@ class ReduceScatterRounds(GroupRoundHost):
         finally:
             for task in tasks.values():
                 task.cancel()
-            self._rounds.end(gid)
+            self._rounds.end(gid, frozenset(rnd.receipts))
 
     def _part_context(
         self, peers: list[PeerID], gathered: dict[PeerID, dict[str, Any]]
@@ -452,8 +455,10 @@ class ReduceScatterRounds(GroupRoundHost):
         try:
             first = await asyncio.wait_for(stream.__anext__(), timeout)
             rnd = await self._rounds.find(first.group_id, timeout)
-            if rnd is None:
-                return averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            if rnd is None:  # a resend of what an ended round accepted is acknowledged
+                done = (sender, first.peer_id) in self._rounds.receipts(first.group_id)
+                code = averaging_pb2.ACCEPTED if done else averaging_pb2.BAD_GROUP_ID
+                return averaging_pb2.AveragingData(code=code)
             if sender not in rnd.peer_ids or sender == self.peer_id:
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             header = decode_header(first.peer_id, len(rnd.bounds))
@@ -504,6 +509,7 @@ class ReduceScatterRounds(GroupRoundHost):
                 assert header.manifest is not None
                 rnd.reduced[j] = (whole, tensor, header.manifest)
             rnd.bytes_in += size
+            rnd.receipts.add((sender, first.peer_id))
             rnd.changed.set()
             return averaging_pb2.AveragingData(code=averaging_pb2.ACCEPTED)
         except Exception as exc:
