@@ -98,6 +98,25 @@ def test_outer_rounds_commit_in_lumps_and_time_rounds() -> None:
     assert r["committed_tokens_per_s"] == pytest.approx(r["tokens_per_s"], rel=0.15)
 
 
+@pytest.mark.parametrize(
+    ("stages", "group_size", "low", "high"),
+    [
+        ([0, 0, 1, 1], 8, 6.0, 6.5),  # a pair gathers for the whole matchmaking time
+        ([0, 0, 1, 1], 2, 0.0, 4.0),  # ... unless it reaches the group size first
+        ([0, 1], 8, 13.0, 13.5),  # a lone replica steps when its averaging times out
+    ],
+)
+def test_a_round_lasts_as_long_as_the_node_gathers_its_group(
+    stages: list[int], group_size: int, low: float, high: float
+) -> None:
+    f = fleet(count=len(stages), outer=1)  # a step takes far less than a round: back to back
+    f = dataclasses.replace(
+        f, node=dataclasses.replace(f.node, outer_matchmaking_s=6.0, outer_group_size=group_size)
+    )
+    r = run(f, stages, seconds=300.0)
+    assert low <= r["round_s"] <= high
+
+
 def test_a_kill_is_rerouted_and_its_work_continues() -> None:
     f = fleet(churn=Churn(kills=((60.0, 1),)))
     sim = SwarmSim(f, {"cpu": profile()}, 2)

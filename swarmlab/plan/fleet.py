@@ -115,7 +115,11 @@ class NodeSettings:
     recompute: bool = False  # recompute activations in backward: less memory, +1 forward
     inner_batch_tokens: int = 4096  # tokens per inner step
     outer_every_steps: int = 25  # inner steps per outer round (0 = no outer loop)
-    outer_matchmaking_s: float = 6.0  # seconds to gather a group
+    # seconds a group gathers before its round (from its first member's start, however
+    # many join: hivemind's min_matchmaking_time); a replica that finds no groupmate
+    # steps alone after twice that plus 1 s (the node's averaging timeout)
+    outer_matchmaking_s: float = 6.0
+    outer_group_size: int = 8  # replicas at which a group closes early (target_group_size)
     outer_bytes_per_param: float = 2.0  # pseudo-gradient codec (fp16: 2, uint8: ~1)
     codec: str = "subspace_int4"  # boundary codec
     precision: str = "bf16"  # GPU compute precision (the CPU profile is fp32)
@@ -156,6 +160,8 @@ class Fleet:
         n = self.node
         if min(n.micro_batch, n.seq_len, n.in_flight, n.inner_batch_tokens) < 1:
             raise ValueError("fleet node: micro_batch, seq_len, in_flight, inner_batch_tokens >= 1")
+        if n.outer_group_size < 2 or n.outer_matchmaking_s <= 0:
+            raise ValueError("fleet node: outer_group_size >= 2, outer_matchmaking_s > 0")
         if n.activation_cache < n.in_flight:
             raise ValueError("fleet node: activation_cache must hold at least in_flight")
         if self.timings.cpu_contention < 0:

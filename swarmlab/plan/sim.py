@@ -14,10 +14,11 @@
   an inner step every `inner_batch_tokens`; a failed request is retried at once through
   another replica;
 - outer rounds: every `outer_every_steps` inner steps (or after a quarter of them, to join
-  a replica already forming a group), a group of the stage's replicas forms within
-  `outer_matchmaking_s`, exchanges a reduce-scatter and all-gather of the compressed
-  stage (2 (g-1)/g of it each way per member) and merges the result on the worker.
-  Training goes on meanwhile;
+  a replica already forming a group), a group of the stage's replicas gathers for
+  `outer_matchmaking_s` (closing early only at `outer_group_size`), exchanges a
+  reduce-scatter and all-gather of the compressed stage (2 (g-1)/g of it each way per
+  member) and merges the result on the worker; a replica with no groupmate steps alone
+  when the node's averaging times out. Training goes on meanwhile;
 - churn: sessions end by a clean leave, a SIGKILL (callers see a reset `kill_detect_s`
   plus one RTT later) or a vanished host (callers wait for the request timeout); each leaver is replaced by a
   new peer of its group after `startup_s` plus the download of the stage's state.
@@ -413,7 +414,7 @@ class SwarmSim:
         now = self.eng.now
         others = [x for x in self.view.get(p.stage, []) if x != p.pid and x in self.peers]
         if not others:
-            self._apply_round(p)
+            self.eng.after(self._lone_s(), lambda: self._apply_round(p))
             return
         g = self.forming.get(p.stage)
         if g is None or g.closed:
@@ -424,8 +425,13 @@ class SwarmSim:
                 o = self.peers[oid]
                 self.eng.after(self.rng.uniform(0, PEEK_S), partial(self._peek, o, g))
         g.members.append(p)
-        if len([x for x in self.view[p.stage] if x in self.peers]) <= len(g.members):
+        if len(g.members) >= self.node.outer_group_size:
             self._close(g)
+
+    def _lone_s(self) -> float:
+        """How long a replica that gathers no group waits before it steps alone: the
+        node's averaging timeout (node.outer.process)."""
+        return 2 * self.node.outer_matchmaking_s + 1.0
 
     def _peek(self, o: SimPeer, g: Group) -> None:
         """`o` looks, once a peek, whether it may join the group forming on its stage."""
@@ -442,9 +448,11 @@ class SwarmSim:
         g.closed = True
         members = [m for m in g.members if m.alive]
         n = len(members)
-        if n <= 1:
+        if n <= 1:  # gathered at closes_at; the averaging times out later
             for m in members:
-                self._apply_round(m)
+                self.eng.after(
+                    self._lone_s() - self.node.outer_matchmaking_s, partial(self._apply_round, m)
+                )
             return
         params = members[0].profile.stages[g.stage].params
         each_way = int(2 * params * self.node.outer_bytes_per_param * (n - 1) / n)

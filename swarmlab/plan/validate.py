@@ -5,9 +5,10 @@ does not see, and on a two-core machine that decides the throughput:
 - `msg_cpu_s`, CPU per end of a pipeline message (py-libp2p, msgpack, trio), is
   calibrated from a real 2 x 1 swarm: each node process's CPU per micro-batch less its
   torch thread's (`agora_node_torch_cpu_seconds_total`), over the two ends of the one
-  hop. 2 x 1 is not among the validated shapes. The stage profile, timed in a process of
-  its own before the swarms, is scaled to the torch thread's CPU per micro-batch in that
-  swarm (`profile_scale`): the box's speed drifts between the two.
+  hop. 2 x 1 is not among the validated shapes. Each swarm's stage profile is timed in
+  a process of its own just before it (this box's speed drifts over the half hour), and
+  every profile is scaled by the 2 x 1 swarm's torch thread CPU per micro-batch over its
+  profile's (`profile_scale`: the same work costs a little more beside a network).
 - A node's outer process and p2p daemon take CPU beside it: the simulator counts them
   as `node_bg_threads` always-runnable threads per node, calibrated on the same 2 x 1
   swarm from the CPU its outer processes took. When hivemind's leader search spun
@@ -47,7 +48,6 @@ from swarmlab.plan.sim import SwarmSim
 
 SHAPES = ((2, 2), (3, 2), (2, 3))
 CALIBRATION = ((2, 1), (4, 1))  # the calibration swarms: none of them is validated
-STAGE_COUNTS = (2, 3, 4)
 KILL_AFTER_S = 30.0  # simulated seconds after the window before the re-route kill
 CONTENTION_MAX = 2.0  # the largest cpu_contention the fit will give (fraction)
 REROUTE_TRIALS = 5  # kills per shape, real and simulated (the median is compared)
@@ -195,11 +195,12 @@ def measure_all(
     shapes and (with `shaped`) the shaped 2x2; keyed by shape name."""
     values = {"outer_every_steps": NODE.outer_every_steps}
     out: dict[str, dict[str, Any]] = {}
-    # the stages' torch costs, on the idle machine just before the real swarms
-    out["profiles"] = {str(k): measure_cpu(model, k, NODE).to_dict() for k in STAGE_COUNTS}
     with tempfile.TemporaryDirectory(prefix="agora-plan-") as tmp:
         for stages, replicas in (*CALIBRATION, *SHAPES):
             name = f"{stages}x{replicas}"
+            # the stages' torch costs alone, just before the swarm: this box's speed
+            # drifts by 10-15 % over the half hour the swarms take
+            profile = measure_cpu(model, stages, NODE).to_dict()
             say(f"real swarm {name} on loopback")
             try:
                 out[name] = measure_shape(
@@ -210,9 +211,12 @@ def measure_all(
             except (RuntimeError, TimeoutError) as exc:  # reported, and the rest still run
                 say(f"real swarm {name} failed: {str(exc)[:2000]}")
                 out[name] = {"error": str(exc)[:2000]}
+            out[name]["profile"] = profile
         if shaped:
+            profile = measure_cpu(model, 2, NODE).to_dict()
             say("real swarm 2x2 through the shaped link (80 Mbit/s, 40 ms RTT)")
             out["2x2 shaped"] = measure_shaped(preset, Path(tmp) / "shaped", NODE, window_s)
+            out["2x2 shaped"]["profile"] = profile
     out["window"] = {"window_s": window_s, "warmup_s": warmup_s}
     return out
 
@@ -220,30 +224,33 @@ def measure_all(
 def validate(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The simulator's predictions for each measured shape, with the errors."""
     window_s, warmup_s = measured["window"]["window_s"], measured["window"]["warmup_s"]
-    profiles = {
-        k: Profile.from_dict(measured["profiles"][str(k)])
-        for k in STAGE_COUNTS
-        if str(k) in measured["profiles"]
-    }
-    for name in ("2x1", "4x1"):
+
+    def profile(name: str) -> Profile:
+        """The stages' costs measured just before swarm `name` (reports before that kept
+        one profile per stage count, taken before all the swarms)."""
+        if "profile" in measured[name]:
+            return Profile.from_dict(measured[name]["profile"])
+        return Profile.from_dict(measured["profiles"][name.split("x")[0]])
+
+    solo, many = (f"{s}x{r}" for s, r in CALIBRATION)
+    for name in (solo, many):
         if "error" in measured.get(name, {}):
             raise ValueError(f"the {name} calibration swarm failed: {measured[name]['error']}")
     cores = os.cpu_count() or 2
-    cal = calibrate(NODE, measured["2x1"], profiles[2], cores)
-    profiles = {k: p.scaled(cal["profile_scale"]) for k, p in profiles.items()}
+    cal: dict[str, Any] = calibrate(NODE, measured[solo], profile(solo), cores)
+    cal["swarms"] = [solo]
     timings = Timings(
         host_cores=cores,
         msg_cpu_s=cal["msg_cpu_s"],
         node_bg_threads=cal["node_bg_threads"],
     )
-    calibrated_on = "2x1"
-    if "4x1" in measured and 4 in profiles:  # reports before the 4x1 swarm have none
+    if many in measured:  # older reports have no 4x1
         cal["cpu_contention"] = fit_contention(
-            profiles[4], measured["4x1"]["tokens_per_s"], timings,
+            profile(many).scaled(cal["profile_scale"]), measured[many]["tokens_per_s"], timings,
             window_s=window_s, warmup_s=warmup_s,
         )  # fmt: skip
         timings = dataclasses.replace(timings, cpu_contention=cal["cpu_contention"])
-        calibrated_on = "2x1, 4x1"
+        cal["swarms"].append(many)
     rows = []
     for name, link in [
         *[(f"{s}x{r}", LOOPBACK) for s, r in SHAPES],
@@ -254,15 +261,13 @@ def validate(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
             rows.append({"shape": name, "error": measured[name]["error"]})
             continue
         predicted = predict_shape(
-            profiles[stages], stages, replicas, NODE, link, timings, window_s=window_s,
-            warmup_s=warmup_s, reroute=link is LOOPBACK,
+            profile(name).scaled(cal["profile_scale"]), stages, replicas, NODE, link, timings,
+            window_s=window_s, warmup_s=warmup_s, reroute=link is LOOPBACK,
         )  # fmt: skip
         rows.append({"shape": name, **compare(measured[name], predicted)})
     return {
         "rows": rows,
         "calibration": cal,
-        "calibrated_on": calibrated_on,
-        "node_bg_threads": timings.node_bg_threads,
         "measured": measured,
     }
 
