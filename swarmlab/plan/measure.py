@@ -18,7 +18,8 @@ node defaults: outer loop on), and reads, as an operator would:
   as re-route time. The victim is never that replacement: a replica that has just
   joined may carry no micro-batch yet (the router rates it by its slow first replies),
   and killing it would time how long until a sender next picks it, not a re-route. The
-  median is reported, every trial kept.
+  median is reported, every trial kept, each with the seconds until a stage-0 node saw
+  the kill (its first `forward_failed`).
 """
 
 from __future__ import annotations
@@ -71,10 +72,13 @@ def _round_gaps(sw: LocalSwarm, names: list[str], t0: float, t1: float) -> list[
     return gaps
 
 
-def _reroute_trial(sw: LocalSwarm, names: dict[int, list[str]], trial: int, say: Any) -> float:
+def _reroute_trial(
+    sw: LocalSwarm, names: dict[int, list[str]], trial: int, say: Any
+) -> tuple[float, float | None]:
     """SIGKILL stage 1's longest-serving replica; seconds until a stage-0 node's first
-    `forward_rerouted`. Then a fresh replica takes its place and must serve and apply an
-    outer round before the next trial."""
+    `forward_rerouted`, and until its first `forward_failed` (the kill seen). Then a
+    fresh replica takes its place and must serve and apply an outer round before the
+    next trial."""
     victim = names[1].pop(0)
     t_kill = time.time()
     sw.nodes[victim].signal(signal.SIGKILL)
@@ -92,7 +96,11 @@ def _reroute_trial(sw: LocalSwarm, names: dict[int, list[str]], trial: int, say:
     t_done = sw.wait_for(first_reroute, "a re-routed micro-batch", 120, 0.1)
     del sw.nodes[victim]
     seconds = float(t_done or 0.0) - t_kill
-    say(f"re-route trial {trial}: {seconds:.2f} s")
+    failed = [
+        ev["t"] for n in names[0] for ev in sw.events(n, "forward_failed") if ev["t"] >= t_kill
+    ]
+    seen = min(failed) - t_kill if failed else None
+    say(f"re-route trial {trial}: {seconds:.2f} s (the kill seen after {seen or 0:.2f} s)")
     fresh = f"s1x{trial}"
     sw.add_node(fresh, 1)
     names[1].append(fresh)
@@ -106,7 +114,7 @@ def _reroute_trial(sw: LocalSwarm, names: dict[int, list[str]], trial: int, say:
         f"the replacement {fresh} applying an outer round",
         180,
     )
-    return seconds
+    return seconds, seen
 
 
 def measure_shape(
@@ -155,9 +163,10 @@ def measure_shape(
         out["round_s"] = sum(gaps) / len(gaps) if gaps else None
         out["rounds_seen"] = len(gaps)
         if reroute_trials and replicas > 1 and stages > 1:
-            times = [_reroute_trial(sw, names, t, say) for t in range(reroute_trials)]
-            out["reroute_trials_s"] = times
-            out["reroute_s"] = statistics.median(times)
+            trials = [_reroute_trial(sw, names, t, say) for t in range(reroute_trials)]
+            out["reroute_trials_s"] = [t for t, _ in trials]
+            out["reroute_seen_s"] = [seen for _, seen in trials]
+            out["reroute_s"] = statistics.median(out["reroute_trials_s"])
         sw.stop()
     finally:
         sw.kill_all()

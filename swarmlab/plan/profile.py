@@ -65,6 +65,20 @@ class Profile:
         source = self.source if factor == 1.0 else f"{self.source}, x{factor:.3f}"
         return Profile(device=self.device, source=source, stages=stages)
 
+    def averaged(self, other: Profile) -> Profile:
+        """Each stage's compute times averaged with `other`'s (the same stages timed
+        again); bytes and parameters are this profile's."""
+        stages = [
+            dataclasses.replace(
+                a,
+                fwd_s=(a.fwd_s + b.fwd_s) / 2,
+                bwd_s=(a.bwd_s + b.bwd_s) / 2,
+                step_s=(a.step_s + b.step_s) / 2,
+            )  # fmt: skip
+            for a, b in zip(self.stages, other.stages, strict=True)
+        ]
+        return dataclasses.replace(self, stages=stages, source=f"{self.source}, averaged")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device,

@@ -6,7 +6,7 @@ does not see, and on a two-core machine that decides the throughput:
   calibrated from a real 2 x 1 swarm: each node process's CPU per micro-batch less its
   torch thread's (`agora_node_torch_cpu_seconds_total`), over the two ends of the one
   hop. 2 x 1 is not among the validated shapes. Each swarm's stage profile is timed in
-  a process of its own just before it (this box's speed drifts over the half hour), and
+  a process of its own just before it and just after (this box's speed drifts over the half hour), the mean used, and
   every profile is scaled by the 2 x 1 swarm's torch thread CPU per micro-batch over its
   profile's (`profile_scale`: the same work costs a little more beside a network).
 - A node's outer process and p2p daemon take CPU beside it: the simulator counts them
@@ -198,8 +198,8 @@ def measure_all(
     with tempfile.TemporaryDirectory(prefix="agora-plan-") as tmp:
         for stages, replicas in (*CALIBRATION, *SHAPES):
             name = f"{stages}x{replicas}"
-            # the stages' torch costs alone, just before the swarm: this box's speed
-            # drifts by 10-15 % over the half hour the swarms take
+            # the stages' torch costs alone, just before and just after the swarm: this
+            # box's speed drifts by 10-25 % within the half hour the swarms take
             profile = measure_cpu(model, stages, NODE).to_dict()
             say(f"real swarm {name} on loopback")
             try:
@@ -212,11 +212,13 @@ def measure_all(
                 say(f"real swarm {name} failed: {str(exc)[:2000]}")
                 out[name] = {"error": str(exc)[:2000]}
             out[name]["profile"] = profile
+            out[name]["profile_after"] = measure_cpu(model, stages, NODE).to_dict()
         if shaped:
             profile = measure_cpu(model, 2, NODE).to_dict()
             say("real swarm 2x2 through the shaped link (80 Mbit/s, 40 ms RTT)")
             out["2x2 shaped"] = measure_shaped(preset, Path(tmp) / "shaped", NODE, window_s)
             out["2x2 shaped"]["profile"] = profile
+            out["2x2 shaped"]["profile_after"] = measure_cpu(model, 2, NODE).to_dict()
     out["window"] = {"window_s": window_s, "warmup_s": warmup_s}
     return out
 
@@ -226,11 +228,17 @@ def validate(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
     window_s, warmup_s = measured["window"]["window_s"], measured["window"]["warmup_s"]
 
     def profile(name: str) -> Profile:
-        """The stages' costs measured just before swarm `name` (reports before that kept
-        one profile per stage count, taken before all the swarms)."""
-        if "profile" in measured[name]:
-            return Profile.from_dict(measured[name]["profile"])
-        return Profile.from_dict(measured["profiles"][name.split("x")[0]])
+        """The stages' costs measured around swarm `name`: the mean of before and after
+        (earlier reports kept one before it, or one per stage count before all swarms)."""
+        m = measured[name]
+        if "profile" not in m:
+            return Profile.from_dict(measured["profiles"][name.split("x")[0]])
+        before = Profile.from_dict(m["profile"])
+        return (
+            before.averaged(Profile.from_dict(m["profile_after"]))
+            if "profile_after" in m
+            else before
+        )
 
     solo, many = (f"{s}x{r}" for s, r in CALIBRATION)
     for name in (solo, many):
