@@ -5,10 +5,11 @@ does not see, and on a two-core machine that decides the throughput:
 - `msg_cpu_s`, CPU per end of a pipeline message (py-libp2p, msgpack, trio), is
   calibrated from a real 2 x 1 swarm: each node process's CPU per micro-batch less its
   torch thread's (`agora_node_torch_cpu_seconds_total`), over the two ends of the one
-  hop. 2 x 1 is not among the validated shapes. Each swarm's stage profile is timed in
-  a process of its own just before it and just after (this box's speed drifts over the half hour), the mean used, and
-  every profile is scaled by the 2 x 1 swarm's torch thread CPU per micro-batch over its
-  profile's (`profile_scale`: the same work costs a little more beside a network).
+  hop. 2 x 1 is not among the validated shapes. Each swarm's stage profile is the mean
+  of two timings in a process of its own, just before the swarm and just after (this
+  box's speed drifts over the half hour), and every profile is scaled by the 2 x 1
+  swarm's torch thread CPU per micro-batch over its profile's (`profile_scale`: the
+  same work costs a little more beside a network).
 - A node's outer process and p2p daemon take CPU beside it: the simulator counts them
   as `node_bg_threads` always-runnable threads per node, calibrated on the same 2 x 1
   swarm from the CPU its outer processes took. When hivemind's leader search spun
