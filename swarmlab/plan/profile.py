@@ -74,7 +74,7 @@ class Profile:
                 fwd_s=(a.fwd_s + b.fwd_s) / 2,
                 bwd_s=(a.bwd_s + b.bwd_s) / 2,
                 step_s=(a.step_s + b.step_s) / 2,
-            )  # fmt: skip
+            )
             for a, b in zip(self.stages, other.stages, strict=True)
         ]
         return dataclasses.replace(self, stages=stages, source=f"{self.source}, averaged")

@@ -38,6 +38,7 @@ import os
 import statistics
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -196,30 +197,37 @@ def measure_all(
     shapes and (with `shaped`) the shaped 2x2; keyed by shape name."""
     values = {"outer_every_steps": NODE.outer_every_steps}
     out: dict[str, dict[str, Any]] = {}
+
+    def profiled(name: str, stages: int, run: Callable[[], dict[str, Any]]) -> None:
+        """out[name] = run(), with the stages' torch costs timed alone just before and
+        just after it: this box's speed drifts by 10-25 % within the half hour."""
+        before = measure_cpu(model, stages, NODE).to_dict()
+        say(f"real swarm {name}")
+        try:
+            out[name] = run()
+        except (RuntimeError, TimeoutError) as exc:  # reported, and the rest still run
+            say(f"real swarm {name} failed: {str(exc)[:2000]}")
+            out[name] = {"error": str(exc)[:2000]}
+        out[name]["profile"] = before
+        out[name]["profile_after"] = measure_cpu(model, stages, NODE).to_dict()
+
     with tempfile.TemporaryDirectory(prefix="agora-plan-") as tmp:
         for stages, replicas in (*CALIBRATION, *SHAPES):
             name = f"{stages}x{replicas}"
-            # the stages' torch costs alone, just before and just after the swarm: this
-            # box's speed drifts by 10-25 % within the half hour the swarms take
-            profile = measure_cpu(model, stages, NODE).to_dict()
-            say(f"real swarm {name} on loopback")
-            try:
-                out[name] = measure_shape(
-                    Path(tmp) / name, preset=preset, stages=stages, replicas=replicas,
-                    warmup_s=warmup_s, window_s=window_s, node_values=values,
-                    reroute_trials=REROUTE_TRIALS if replicas > 1 else 0, say=say,
-                )  # fmt: skip
-            except (RuntimeError, TimeoutError) as exc:  # reported, and the rest still run
-                say(f"real swarm {name} failed: {str(exc)[:2000]}")
-                out[name] = {"error": str(exc)[:2000]}
-            out[name]["profile"] = profile
-            out[name]["profile_after"] = measure_cpu(model, stages, NODE).to_dict()
-        if shaped:
-            profile = measure_cpu(model, 2, NODE).to_dict()
-            say("real swarm 2x2 through the shaped link (80 Mbit/s, 40 ms RTT)")
-            out["2x2 shaped"] = measure_shaped(preset, Path(tmp) / "shaped", NODE, window_s)
-            out["2x2 shaped"]["profile"] = profile
-            out["2x2 shaped"]["profile_after"] = measure_cpu(model, 2, NODE).to_dict()
+            profiled(
+                name, stages,
+                partial(
+                    measure_shape, Path(tmp) / name, preset=preset, stages=stages,
+                    replicas=replicas, warmup_s=warmup_s, window_s=window_s,
+                    node_values=values, reroute_trials=REROUTE_TRIALS if replicas > 1 else 0,
+                    say=say,
+                ),
+            )  # fmt: skip
+        if shaped:  # the shaped link: 80 Mbit/s, 40 ms RTT
+            profiled(
+                "2x2 shaped", 2,
+                partial(measure_shaped, preset, Path(tmp) / "shaped", NODE, window_s),
+            )  # fmt: skip
     out["window"] = {"window_s": window_s, "warmup_s": warmup_s}
     return out
 
