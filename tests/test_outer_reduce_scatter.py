@@ -7,6 +7,7 @@ The pytest process only imports `node.outer_link` (no hivemind).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from collections.abc import Callable
@@ -29,30 +30,48 @@ CFG = OuterConfig(
 
 
 def start(
-    links: list[OuterLink], env: dict[str, str], run: str, peers: list[str], attack: str = ""
+    links: list[OuterLink],
+    env: dict[str, str],
+    run: str,
+    peers: list[str],
+    attack: str = "",
+    config: OuterConfig = CFG,
+    numel: int = N,
 ) -> OuterLink:
     honest = ("-m", "node.outer")
     entry = ("-m", "swarmlab.chaos.rogue_outer", "--attack", attack) if attack else honest
     link = OuterLink.start(
-        run_id=run, stage=0, numel=N, initial_peers=peers, config=CFG, env=env, entry=entry
+        run_id=run,
+        stage=0,
+        numel=numel,
+        initial_peers=peers,
+        config=config,
+        env=env,
+        entry=entry,
     )
     links.append(link)
     return link
 
 
-def vec(seed: int, scale: float) -> torch.Tensor:
-    return torch.randn(N, generator=torch.Generator().manual_seed(seed)) * scale
+def vec(seed: int, scale: float, numel: int = N) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
 
 
 def work(theta0: torch.Tensor, i: int) -> torch.Tensor:
     """Member i's working copy after training: a step shared by every member (they descend
     one loss from one theta_g) plus one of its own, so their deltas point alike, as honest
     ones do (with two contributions to a part, an unrelated one is rejected)."""
-    return theta0 - 0.01 * (vec(1, 1.0) + vec(10 + i, 1.0))
+    n = theta0.numel()
+    return theta0 - 0.01 * (vec(1, 1.0, n) + vec(10 + i, 1.0, n))
 
 
 def group(
-    links: list[OuterLink], env: dict[str, str], n: int, rogue: dict[int, str] | None = None
+    links: list[OuterLink],
+    env: dict[str, str],
+    n: int,
+    rogue: dict[int, str] | None = None,
+    config: OuterConfig = CFG,
+    numel: int = N,
 ) -> tuple[list[OuterLink], torch.Tensor]:
     """A fresh stage of `n` replicas holding one state; member i runs attack `rogue[i]`."""
     run = uuid.uuid4().hex[:8]
@@ -60,9 +79,9 @@ def group(
     members: list[OuterLink] = []
     for i in range(n):  # each joins every earlier replica's DHT, as nodes do (dht_bootstrap)
         boot = [a for m in members for a in m.dht_addrs()]
-        members.append(start(links, env, run, boot, attacks.get(i, "")))
+        members.append(start(links, env, run, boot, attacks.get(i, ""), config, numel))
     first = members[0]
-    theta0 = vec(0, 1.0)
+    theta0 = vec(0, 1.0, numel)
     first.set_initial_state([theta0])
     for m in members[1:]:
         assert m.fetch_state(timeout=15) == 0 and m.digest == first.digest
@@ -74,13 +93,15 @@ def grouped_round(
     env: dict[str, str],
     rogue: dict[int, str],
     grouped: Callable[[list[RoundResult]], bool],
+    config: OuterConfig = CFG,
+    numel: int = N,
 ) -> tuple[list[OuterLink], torch.Tensor, list[RoundResult]]:
     """One round of a fresh 3-replica stage whose members 0..2 train their own work
     (member i: tokens 100 (i + 1)); the honest members' results (a frozen member sends
     none). Matchmaking may split the three under load (`grouped` says whether the
     results came from the group the test needs): then a fresh stage retries."""
     for attempt in range(4):
-        members, theta0 = group(links, env, 3, rogue)
+        members, theta0 = group(links, env, 3, rogue, config, numel)
         for i, m in enumerate(members):
             m.begin_round([work(theta0, i)], 100 * (i + 1))
         honest = [m for i, m in enumerate(members) if rogue.get(i) != "freeze_in_group"]
@@ -142,6 +163,25 @@ def test_a_member_frozen_mid_round_leaves_the_survivors_identical(
     lo, hi = j * N // 3, (j + 1) * N // 3
     assert torch.equal(a.theta_g()[lo:hi], theta0[lo:hi])  # C's part: no update
     assert not torch.equal(a.theta_g(), theta0)  # the survivors' parts moved
+
+
+def test_a_reduced_part_resent_after_the_round_ended_is_acknowledged(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """C sends each reduced part again 2 s after A and B acknowledged it, as a member
+    whose acknowledgement was lost does. A and B have ended the round by then: each
+    acknowledges the copy it accepted, after reading the resend to its end, so that the
+    answer reaches C (an answer sent while C still writes a part larger than the socket
+    buffers, 1 MB here, never reaches it). C waits for its pushes before its round ends,
+    so its round ends seconds after the resend, not at its exchange deadline (20 s)."""
+    config = dataclasses.replace(CFG, round_timeout_s=20.0)
+    members, _theta0, results = grouped_round(
+        links, child_env, {2: "resend_late"}, lambda rs: all(r.group_size == 3 for r in rs),
+        config, 1_500_000,
+    )  # fmt: skip
+    assert all(r.applied for r in results) and len({r.digest for r in results}) == 1, results
+    # matchmaking (3 s), the exchange, the 2 s wait and the resend: far less than 20 s
+    assert results[2].seconds < config.matchmaking_s + 2.0 + 8.0, results[2]
 
 
 def test_a_reducer_that_leaves_out_acknowledged_contributions_is_caught(

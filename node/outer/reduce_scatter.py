@@ -457,6 +457,15 @@ class ReduceScatterRounds(GroupRoundHost):
             rnd = await self._rounds.find(first.group_id, timeout)
             if rnd is None:  # a resend of what an ended round accepted is acknowledged
                 done = (sender, first.peer_id) in self._rounds.receipts(first.group_id)
+                # read the rest first: an answer sent while the sender still writes never
+                # reaches it (its write fails, and hivemind's stub raises that instead),
+                # so it would resend, and be answered so, until its deadline
+                limit = 4 * self._averaged_tensors[0].numel() + 4096  # the whole stage
+                size = 0
+                async for msg in aiter_with_timeout(stream, timeout):
+                    size += len(msg.tensor_part.buffer)
+                    if size > limit:
+                        raise ValueError(f"{sender} sent more than {limit} bytes to a round")
                 code = averaging_pb2.ACCEPTED if done else averaging_pb2.BAD_GROUP_ID
                 return averaging_pb2.AveragingData(code=code)
             if sender not in rnd.peer_ids or sender == self.peer_id:

@@ -13,7 +13,10 @@ Attacks (`--attack`):
   same norm (inside every norm bound);
 - `inflated_claims`: it claims round 2**62 and 10**15 tokens in its gathered metadata;
 - `state_takeover`: once it holds a state, it declares state-sharing priority 2**62 in
-  the DHT and serves a forged state of round 2**62 to whoever downloads one.
+  the DHT and serves a forged state of round 2**62 to whoever downloads one;
+- `resend_late` (a fault, not an attack): it sends each reduced part once more
+  `LATE_RESEND_S` after it was acknowledged, as a member does whose acknowledgement was
+  lost: by then its groupmates have ended the round.
 
 This module imports hivemind only through `node.outer` and never imports libp2p: it runs
 as an outer-loop process.
@@ -31,15 +34,19 @@ from swarmlab.chaos.schedule import FORGED_ROUND
 
 ATTACKS = (
     "freeze_in_group", "own_part_only", "scaled_delta", "nan_delta", "sign_flip", "noise",
-    "inflated_claims", "state_takeover",
+    "inflated_claims", "state_takeover", "resend_late",
 )  # fmt: skip
+LATE_RESEND_S = 2.0  # s after its acknowledgement that `resend_late` sends a part again
 
 
 def rogue_averager(attack: str) -> Any:
     """The `StageAverager` subclass that runs `attack`."""
+    import asyncio
+
     import torch
 
     from node.outer.averager import StageAverager
+    from node.outer.parts import decode_header
     from node.outer.state_download import state_digest
 
     class Rogue(StageAverager):
@@ -86,6 +93,14 @@ def rogue_averager(attack: str) -> Any:
             if attack == "inflated_claims" and isinstance(gather, dict):
                 gather = {**gather, "round": 2**62, "base_round": 2**62, "tokens": 10**15}
             return super().step(*args, gather=gather, **kwargs)
+
+        async def _push(self, rnd: Any, gid: bytes, peer: Any, header: bytes, *rest: Any) -> bool:
+            ok = bool(await super()._push(rnd, gid, peer, header, *rest))
+            if attack == "resend_late" and ok:
+                if decode_header(header, len(rnd.bounds)).kind == "reduced":
+                    await asyncio.sleep(LATE_RESEND_S)
+                    ok = bool(await super()._push(rnd, gid, peer, header, *rest))
+            return ok
 
         def _reduce(self, contribs: dict[Any, Any], *args: Any) -> Any:
             if attack == "own_part_only" and self.peer_id in contribs:
