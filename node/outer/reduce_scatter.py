@@ -51,9 +51,6 @@ log = logging.getLogger(__name__)
 PUSH_RETRY_S = 0.1  # first pause before a push whose transport failed is resent (s)
 PUSH_SETUP_S = 1.0  # the most one push attempt may take to be answered, plus its bytes' time (s)
 PUSH_FLOOR_BPS = 1e6  # the slowest transfer a push attempt allows for (bytes/s)
-# a push whose stream is reset this many times in a row drops the daemons' connection to
-# that peer, so that the next attempt dials afresh (count)
-PUSH_RESETS_BEFORE_REDIAL = 2
 
 
 class _Round:
@@ -400,11 +397,8 @@ class ReduceScatterRounds(GroupRoundHost):
         A transport failure (a dial that fails because the p2p daemon has no route to a
         groupmate yet, a stream reset before the reply, or an attempt that stalls past
         `attempt_s`) is retried with back-off until `until` (monotonic s): the receiver
-        acknowledges a copy of what it already holds, so a resend never counts twice.
-        A refusal (any reply but ACCEPTED) is final. A connection between the two p2p
-        daemons can break so that every new stream on it is reset at once, for tens of
-        seconds (seen in groups of three on a loaded box): after every
-        `PUSH_RESETS_BEFORE_REDIAL` resets in a row it is dropped and dialled again."""
+        acknowledges a copy of what it already holds, so a resend never counts twice
+        (also once its round has ended). A refusal (any reply but ACCEPTED) is final."""
 
         async def requests() -> AsyncIterator[averaging_pb2.AveragingData]:
             yield averaging_pb2.AveragingData(
@@ -418,7 +412,6 @@ class ReduceScatterRounds(GroupRoundHost):
         size = len(msg.buffer) if msg is not None else 0
         attempt_s = PUSH_SETUP_S + size / PUSH_FLOOR_BPS
         pause = PUSH_RETRY_S
-        resets = 0
         while True:
             try:
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
@@ -431,9 +424,6 @@ class ReduceScatterRounds(GroupRoundHost):
                     log.warning("push to %s failed: %r", peer, exc)
                     return False
                 log.info("push to %s failed (%r); resending", peer, exc)
-                resets = resets + 1 if isinstance(exc, ConnectionError) else 0
-                if resets and resets % PUSH_RESETS_BEFORE_REDIAL == 0:
-                    await self._redial(peer, max(0.1, min(until - time.monotonic(), attempt_s)))
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 1.0)
                 continue

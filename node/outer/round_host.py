@@ -59,12 +59,3 @@ class GroupRoundHost:
             await asyncio.wait_for(self._p2p._client.connect(peer, maddrs), timeout)
         except Exception as exc:
             log.info("dialing %s at its announced addresses failed: %r", peer, exc)
-
-    async def _redial(self, peer: PeerID, timeout: float) -> None:
-        """Drop the p2p daemon's connection to `peer` (its new streams keep being reset),
-        so the next stream to it dials afresh; a failure is logged and costs nothing."""
-        log.info("dropping the connection to %s: its streams keep being reset", peer)
-        try:
-            await asyncio.wait_for(self._p2p._client.disconnect(peer), timeout)
-        except Exception as exc:
-            log.info("disconnecting %s failed: %r", peer, exc)
