@@ -271,7 +271,14 @@ class StageCheckpointer:
         self.names, self.shapes = list(names), [torch.Size(s) for s in shapes]
         self.numel = sum(s.numel() for s in self.shapes)
         self.last_round = -1  # round of the newest checkpoint written
+        self.last_digest = ""  # its digest (hex; "" = not known)
         self._applied = 0  # rounds applied since the last checkpoint
+
+    def on_disk(self, round_: int, digest: str) -> bool:
+        """Whether the newest checkpoint written is this state. A rebase onto another
+        replica's state of the same round is another state (another digest): the file
+        must follow it, or an export would take the lineage the stage abandoned."""
+        return (round_, digest) == (self.last_round, self.last_digest)
 
     def due(self, *, final: bool = False) -> bool:
         """Count one applied round (unless `final`) and say whether to write now."""
@@ -309,7 +316,7 @@ class StageCheckpointer:
     ) -> Path:
         """Write a captured state (any thread; disk I/O)."""
         path = write_checkpoint(self.directory, meta, tensors, momentum)
-        self.last_round = meta.round
+        self.last_round, self.last_digest = meta.round, meta.digest
         self._applied = 0
         log.info("checkpoint: stage %d round %d -> %s", meta.stage, meta.round, path)
         return path
@@ -334,7 +341,7 @@ class CheckpointHook:
 
         ck = self.ck
         async with self._lock:
-            if not ck.due(final=final) or state.round == ck.last_round:
+            if not ck.due(final=final) or ck.on_disk(state.round, state.digest):
                 return None  # not due, or this state is on disk already
             meta, tensors, momentum = await self.worker.run(
                 ck.capture, state.theta_g, state.momentum, state.round, state.digest, state.lineage

@@ -7,7 +7,7 @@ Shared by both ways `agora export` gets its states (node.export is the command):
 - `assemble_checkpoints` reads every `stage{K}.safetensors` (node.checkpoint) in the
   given directories, checks they belong to one run (same run id, preset, seed and stage
   count) and that every stage is present, and takes the newest round of each stage when
-  several replicas wrote one (`choose_stages`).
+  several replicas wrote one, the state more of them hold on a tie (`choose_stages`).
 - `assemble_model_dir` reads an export directory of node.model's format instead (what
   `agora baseline --out OUT` writes to OUT/model), for `agora export --model DIR`.
 - `export_checkpoints` also writes `OUT/model.safetensors` + `OUT/config.json`
@@ -18,6 +18,7 @@ Shared by both ways `agora export` gets its states (node.export is the command):
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,10 @@ class Assembled:
 
 
 def choose_stages(checkpoints: Sequence[Checkpoint]) -> dict[int, Checkpoint]:
-    """One checkpoint per stage (the newest round), after checking they form one run."""
+    """One checkpoint per stage, after checking they form one run: the newest round; of
+    two states of one round (a replica that stepped alone while its group stepped), the
+    one more replicas wrote, then the one written last (a replica that rebased onto its
+    group's state writes that state after its own)."""
     if not checkpoints:
         raise ExportError("no stage checkpoints found")
     first = checkpoints[0].meta
@@ -73,10 +77,16 @@ def choose_stages(checkpoints: Sequence[Checkpoint]) -> dict[int, Checkpoint]:
                     f"{ck.path} is from another run: {name}={getattr(m, name)!r}, but"
                     f" {checkpoints[0].path} has {getattr(first, name)!r}"
                 )
+    holders = Counter((ck.meta.stage, ck.meta.round, ck.meta.digest) for ck in checkpoints)
+
+    def rank(ck: Checkpoint) -> tuple[int, int, float]:
+        m = ck.meta
+        return m.round, holders[m.stage, m.round, m.digest] if m.digest else 1, m.created_at
+
     best: dict[int, Checkpoint] = {}
     for ck in checkpoints:
         have = best.get(ck.meta.stage)
-        if have is None or ck.meta.round > have.meta.round:
+        if have is None or rank(ck) > rank(have):
             best[ck.meta.stage] = ck
     missing = sorted(set(range(first.n_stages)) - set(best))
     if missing:

@@ -48,6 +48,7 @@ def test_round_trip_through_the_checkpointer(tmp_path: Path) -> None:
     meta, tensors, momentum = ck.capture(flat, mom, 7)
     path = ck.write(meta, tensors, momentum)
     assert path == checkpoint_paths(tmp_path, 1)[0] and ck.last_round == 7
+    assert ck.on_disk(7, "") and not ck.on_disk(7, "ab12") and not ck.on_disk(8, "")
 
     got = read_checkpoint(path)
     assert got.meta.round == 7 and got.meta.stage == 1 and got.meta.n_stages == 2

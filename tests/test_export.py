@@ -52,10 +52,12 @@ def _perturbed_stages(n_stages: int, seed: int = 0) -> list[Stage]:
     return stages
 
 
-def _write(directory: Path, stage: Stage, s: int, round_: int, run: RunInfo) -> None:
+def _write(
+    directory: Path, stage: Stage, s: int, round_: int, run: RunInfo, digest: str = ""
+) -> None:
     ck = stage_checkpointer(directory, 1, run, s, stage)
     flat = torch.cat([p.detach().flatten() for p in stage.parameters()])
-    ck.write(*ck.capture(flat, torch.zeros_like(flat), round_))
+    ck.write(*ck.capture(flat, torch.zeros_like(flat), round_, digest))
 
 
 def test_export_equals_the_chained_stages(tmp_path: Path) -> None:
@@ -89,6 +91,27 @@ def test_newest_round_of_each_stage_wins(tmp_path: Path) -> None:
     got = assemble_checkpoints([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
     assert got.rounds == {0: 6, 1: 5} and got.sources[0].startswith(str(tmp_path / "b"))
     assert torch.allclose(got.model.embed.weight, new[0].embed.weight, atol=1e-5)
+
+
+def test_of_two_states_of_one_round_the_one_more_replicas_hold_wins(tmp_path: Path) -> None:
+    # One replica stepped alone to round 4 while two others stepped together; the lone
+    # state is written last, yet the stage's lineage runs through the pair's state.
+    pair, lone = _perturbed_stages(2), _perturbed_stages(2, seed=0)
+    with torch.no_grad():
+        for p in lone[0].parameters():
+            p.add_(1.0)
+    project_(lone[0])
+    a, b, c, d = (tmp_path / n for n in "abcd")
+    _write(b, pair[0], 0, 4, _run(), digest="bb")
+    _write(c, pair[0], 0, 4, _run(), digest="bb")
+    _write(a, lone[0], 0, 4, _run(), digest="aa")
+    _write(d, pair[1], 1, 4, _run())
+    assert Path(assemble_checkpoints([a, b, c, d]).sources[0]).parent in (b, c)
+    # One holder each: the state written last wins (a replica that rebases onto its
+    # group's state writes it after its own).
+    _write(c, lone[0], 0, 4, _run(), digest="cc")
+    _write(b, lone[0], 0, 4, _run(), digest="bb")
+    assert Path(assemble_checkpoints([a, b, c, d]).sources[0]).parent == b
 
 
 def test_incomplete_or_mixed_sets_are_refused(
