@@ -451,11 +451,7 @@ class ReduceScatterRounds(GroupRoundHost):
                 # reaches it (its write fails, and hivemind's stub raises that instead),
                 # so it would resend, and be answered so, until its deadline
                 limit = 4 * self._averaged_tensors[0].numel() + 4096  # the whole stage
-                size = 0
-                async for msg in aiter_with_timeout(stream, timeout):
-                    size += len(msg.tensor_part.buffer)
-                    if size > limit:
-                        raise ValueError(f"{sender} sent more than {limit} bytes to a round")
+                await _read_chunks(stream, timeout, limit, f"{sender} to an ended round", None)
                 code = averaging_pb2.ACCEPTED if done else averaging_pb2.BAD_GROUP_ID
                 return averaging_pb2.AveragingData(code=code)
             if sender not in rnd.peer_ids or sender == self.peer_id:
@@ -473,12 +469,7 @@ class ReduceScatterRounds(GroupRoundHost):
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             limit = 4 * (b - a) + 4096  # bytes: fp32 with no codec, plus a codebook
             chunks: list[runtime_pb2.Tensor] = []
-            size = 0
-            async for msg in aiter_with_timeout(stream, timeout):
-                size += len(msg.tensor_part.buffer)
-                if size > limit:
-                    raise ValueError(f"{sender} sent more than {limit} bytes for part {j}")
-                chunks.append(msg.tensor_part)
+            size = await _read_chunks(stream, timeout, limit, f"{sender} for part {j}", chunks)
             tensor, whole = None, None
             if chunks:
                 whole = combine_from_streaming(chunks)
@@ -514,6 +505,25 @@ class ReduceScatterRounds(GroupRoundHost):
         except Exception as exc:
             log.warning("push from %s refused: %r", sender, exc)
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+
+
+async def _read_chunks(
+    stream: AsyncIterator[averaging_pb2.AveragingData],
+    timeout: float,  # s, between two messages
+    limit: int,  # bytes, in all
+    what: str,  # names the sender and the target in the error
+    into: list[runtime_pb2.Tensor] | None,  # None: read and drop
+) -> int:
+    """Read a push's remaining tensor chunks to its end, at most `limit` bytes; the
+    bytes read."""
+    size = 0
+    async for msg in aiter_with_timeout(stream, timeout):
+        size += len(msg.tensor_part.buffer)
+        if size > limit:
+            raise ValueError(f"{what}: more than {limit} bytes")
+        if into is not None:
+            into.append(msg.tensor_part)
+    return size
 
 
 def _digest_of(msg: runtime_pb2.Tensor) -> str:
