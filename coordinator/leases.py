@@ -134,6 +134,7 @@ class LeaseBook:
             if lease.state == ACTIVE:
                 self._index(lease)
         self.epoch_tokens = sum(s.tokens for s in self.shards.values())
+        self._done = sum(s.state == DONE for s in self.shards.values())  # shards, this epoch
         self._queue: collections.deque[int] = collections.deque()
         # shards an expired or released lease left pending, oldest first (not persisted)
         self._freed: dict[int, None] = {}
@@ -153,6 +154,23 @@ class LeaseBook:
 
     def holder_leases(self, holder: str) -> list[Lease]:
         return list(self.by_holder.get(holder, {}).values())
+
+    def over_share(self, holder: str, drawers: int) -> bool:
+        """Whether another lease for `holder`, one of `drawers` replicas that draw on the
+        book (stage 0), would take a shard a replica holding fewer needs: it holds its
+        share of the shards not done, ceil(open / drawers), and the pending shards are no
+        more than the other replicas' shares lack. Without it the first replica of a
+        corpus of few shards leases them all (its pool keeps `lease_pool` open plus the
+        finished ones awaiting their round) and its groupmates idle."""
+        if drawers < 2:
+            return False
+        open_ = len(self.shards) - self._done
+        share = -(-open_ // drawers)
+        mine = len(self.by_holder.get(holder, {}))
+        if mine < share:
+            return False
+        lack = (drawers - 1) * share - (len(self.active) - mine)
+        return 0 < open_ - len(self.active) <= lack  # none pending: acquire says so
 
     def freed_waiting(self) -> int:
         """Freed ranges (of expired or released leases) not yet granted again."""
@@ -377,8 +395,9 @@ class LeaseBook:
             self._touch(shard, lease)
             return False
         shard.state = DONE
+        self._done += 1
         self._touch(shard, lease)
-        if all(s.state == DONE for s in self.shards.values()):
+        if self._done == len(self.shards):
             self._rollover(now)
         return True
 
@@ -398,6 +417,7 @@ class LeaseBook:
         for s in self.shards.values():
             s.committed, s.state, s.lease_id = 0, PENDING, 0
             self.journal.shards[s.shard_id] = s
+        self._done = 0
         self.journal.meta["data_epoch"] = str(self.data_epoch)
         self._freed.clear()
         self.journal.audit.append(

@@ -443,6 +443,8 @@ class Service(Moderation):
             return c.LeaseGrant(reason="draining")
         if len(self.book.by_holder.get(peer.peer_id, {})) >= self.cfg.max_leases_per_peer:
             return c.LeaseGrant(reason="max_leases")
+        if self.book.over_share(peer.peer_id, self.membership.stage_counts()[0]):
+            return c.LeaseGrant(reason="fair_share")
         budget = None
         if peer.deadline is not None:
             left_s = peer.deadline - now - self.cfg.deadline_margin_s

@@ -41,7 +41,7 @@ Node-facing calls (request -> reply):
   last page arrived, ask `since=` the first page's version for the changes made while
   paging (`node.coordinator_client.CoordinatorClient.membership` does all this).
 - `LeaseAcquire` -> `LeaseGrant`: a data lease, or `lease=None` with a `reason`
-  ("no_shards", "deadline", "max_leases", "paused", "no_freed"). A lease covers the
+  ("no_shards", "deadline", "max_leases", "fair_share", "paused", "no_freed"). A lease covers the
   token range `[committed, limit)` of one shard. `limit` is below the shard end when the node's
   deadline allows only part of it (deadline-aware granting). A stage-0 node's heartbeat
   reply counts the ranges that expired or released leases left waiting

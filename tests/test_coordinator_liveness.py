@@ -161,3 +161,27 @@ def test_a_member_cannot_announce_another_peers_dht(
         assert isinstance(reply, c.ErrorReply) and "does not end in /p2p/" in reply.detail
     assert rig.svc.membership.live[me.peer_id].dht_addrs == (mine,)
     rig.store.close()
+
+
+def test_a_stage0_replica_is_refused_past_its_share_of_the_shards(
+    data: tuple[CoordinatorConfig, Manifest, bytes], tmp_path: Path
+) -> None:
+    rig = Rig(tmp_path, data)
+    first, second = KEYS[0], KEYS[1]
+    for key in (first, second):
+        rig.call(key, c.JoinRequest(throughput=100.0, stage=0))
+
+    def take(key: NodeKey) -> tuple[int, str]:
+        n = 0
+        while True:
+            reply = rig.call(key, c.LeaseAcquire()).reply
+            assert isinstance(reply, c.LeaseGrant)
+            if reply.lease is None:
+                return n, reply.reason
+            n += 1
+
+    shards = len(rig.svc.book.shards)
+    share = -(-shards // 2)
+    assert take(first) == (share, "fair_share")  # the rest waits for the second replica
+    assert take(second) == (shards - share, "no_shards")
+    rig.store.close()

@@ -150,6 +150,27 @@ def test_deadline_budget_grants_a_shorter_range_or_nothing() -> None:
     assert b is not None and (b.committed, b.limit) == (40, 100)
 
 
+def test_a_replica_holding_its_share_leaves_the_rest_to_the_others() -> None:
+    book = _book([4] * 6)  # 6 shards, 2 stage-0 replicas: a share of 3 each
+
+    def take(holder: str) -> list[int]:
+        got = []
+        while not book.over_share(holder, 2):
+            lease, _ = book.acquire(holder, 0.0)
+            if lease is None:
+                break
+            got.append(lease.shard_id)
+        return got
+
+    assert len(take("a")) == 3 and book.over_share("a", 2)
+    assert not book.over_share("a", 1)  # alone on the stage, it may take every shard
+    assert len(take("b")) == 3
+    # A done shard shrinks the shares: 5 open, 3 each; a holds 2 after its commit.
+    lease = book.holder_leases("a")[0]
+    book.commit("a", lease.lease_id, lease.epoch, 0, 4, 1.0)
+    assert book.counts()[DONE] == 1 and not book.over_share("a", 2)
+
+
 class LeaseMachine(RuleBasedStateMachine):
     """Random operations against a LeaseBook backed by a real SQLite file."""
 
@@ -281,6 +302,15 @@ class LeaseMachine(RuleBasedStateMachine):
         sizes = sum(s.tokens for s in self.book.shards.values())
         assert all(r.committed_tokens == sizes for r in done)
         self._durable(lambda: None)
+
+    @invariant()
+    def refused_only_at_a_full_share(self) -> None:
+        if not hasattr(self, "book"):
+            return
+        open_ = len(self.book.shards) - self.book.counts()[DONE]
+        for h in self.holders:
+            if self.book.over_share(h, len(self.holders)):
+                assert len(self.book.holder_leases(h)) >= -(-open_ // len(self.holders))
 
     @invariant()
     def one_live_holder_per_shard(self) -> None:
