@@ -445,10 +445,8 @@ class Service(Moderation):
             return c.LeaseGrant(reason="max_leases")
         if self.book.over_share(peer.peer_id, self.membership.stage_counts()[0]):
             return c.LeaseGrant(reason="fair_share")
-        budget = None
-        if peer.deadline is not None:
-            left_s = peer.deadline - now - self.cfg.deadline_margin_s
-            budget = int(max(0.0, left_s) * peer.throughput)
+        left_s = None if peer.deadline is None else peer.deadline - now - self.cfg.deadline_margin_s
+        budget = None if left_s is None else int(max(0.0, left_s) * peer.throughput)
         cap = req.max_tokens
         if self.cfg.grant_tokens:  # 0 or None: the rest of the shard
             cap = self.cfg.grant_tokens if cap is None else min(cap, self.cfg.grant_tokens)
