@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.control import MAX_PEER_INFO_BYTES, MAX_PEERS_PER_PAGE
+from protocol.corpus import DEFAULT_HELDOUT_EVERY, DEFAULT_SHARD_TOKENS
 from protocol.model_config import check_split, preset
 from protocol.tensors import CODECS
 
@@ -56,8 +57,8 @@ class CoordinatorConfig:
     tokenizer: str = "bytes"
     # directory of tokenized corpora (None: "<db>.tokens" beside the database; "": none)
     token_cache: str | None = None
-    shard_tokens: int = 1 << 18  # tokens per shard
-    heldout_every: int = 16  # every n-th shard is held out
+    shard_tokens: int = DEFAULT_SHARD_TOKENS  # tokens per shard
+    heldout_every: int = DEFAULT_HELDOUT_EVERY  # every n-th shard is held out
     # network
     host: str = "127.0.0.1"  # listen address
     port: int = 7700  # listen port (0 = OS-chosen)

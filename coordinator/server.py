@@ -154,6 +154,13 @@ def build_state(
                 f"database {cfg.db} belongs to dataset {stored}, but the configured dataset"
                 f" hashes to {manifest.content_hash}; use another --db"
             )
+        cut = {(s.shard_id, s.tokens) for s in manifest.train}
+        if {(r[0], r[1]) for r in snap.shards} != cut:
+            raise ValueError(
+                f"database {cfg.db} cut the dataset into other shards than shard_tokens ="
+                f" {cfg.shard_tokens} and heldout_every = {cfg.heldout_every} do; set the"
+                " values the run began with, or use another --db"
+            )
         book = restore_book(
             snap.shards,
             snap.leases,

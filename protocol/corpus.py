@@ -31,7 +31,11 @@ from protocol.errors import ProtocolError
 from protocol.message import Message, bounded, message, record
 
 VOCAB_SIZE = 256  # the byte tokenizer's tokens
-DEFAULT_SHARD_TOKENS = 1 << 18  # tokens per shard
+# tokens per shard: a shard holds one active lease at a time, and a stage-0 replica holds
+# its open leases plus the trained ones that wait for their round, so the stdlib corpus
+# needs enough shards for several replicas' pools (docs/data-path.md, "A share per
+# stage-0 replica")
+DEFAULT_SHARD_TOKENS = 1 << 16
 DEFAULT_HELDOUT_EVERY = 16  # every 16th shard is held out
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 

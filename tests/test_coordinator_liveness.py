@@ -6,6 +6,7 @@ writes the journal whenever it holds anything, as here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -185,3 +186,19 @@ def test_a_stage0_replica_is_refused_past_its_share_of_the_shards(
     assert take(first) == (share, "fair_share")  # the rest waits for the second replica
     assert take(second) == (shards - share, "no_shards")
     rig.store.close()
+
+
+def test_a_database_of_another_shard_cut_is_refused(
+    data: tuple[CoordinatorConfig, Manifest, bytes], tmp_path: Path
+) -> None:
+    # The corpus hash does not change with the cut, so the stored shards are checked too:
+    # restored under another cut, shard ids would name other tokens.
+    cfg, manifest, _ = data
+    Rig(tmp_path, data).store.close()
+    other = dataclasses.replace(cfg, shard_tokens=cfg.shard_tokens // 2)
+    recut, _ = load_dataset(other)
+    assert recut.content_hash == manifest.content_hash
+    store = CountingStore(tmp_path / "c.sqlite")
+    with pytest.raises(ValueError, match=r"other shards than shard_tokens = 1024"):
+        build_state(other, store, recut, time.time())
+    store.close()

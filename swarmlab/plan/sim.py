@@ -34,6 +34,7 @@ from coordinator.journal import Journal
 from coordinator.leases import LeaseBook, LeaseError, Shard
 from coordinator.membership import Membership, Peer
 from node.routing import Router
+from protocol.corpus import DEFAULT_SHARD_TOKENS
 from swarmlab.plan.engine import (
     BACKWARD,
     FRESH,
@@ -52,7 +53,7 @@ from swarmlab.plan.profile import Profile
 
 LEASE_POOL = 8  # leases a stage-0 node keeps open (node default)
 MAX_LEASES = 64  # active leases one peer may hold (coordinator default)
-SHARD_TOKENS = 1 << 18  # tokens per shard (coordinator default)
+SHARD_TOKENS = DEFAULT_SHARD_TOKENS  # tokens per shard (coordinator default)
 RETRY_WAIT_S = 0.5  # back-off when no replica of the next stage is usable (s)
 PEEK_S = 1.0  # how often a replica looks for a group forming (s)
 MBIT = 1e6
@@ -71,7 +72,8 @@ class SwarmSim:
         self.members = Membership(
             n_stages=n_stages, stage_costs=cost, ttl_s=self.t.lease_ttl_s, journal=Journal()
         )
-        shards = [Shard(shard_id=i, tokens=SHARD_TOKENS) for i in range(4096)]
+        # 2**30 tokens: a planned run's corpus, never short of shards for the pools
+        shards = [Shard(shard_id=i, tokens=SHARD_TOKENS) for i in range((1 << 30) // SHARD_TOKENS)]
         self.book = LeaseBook(shards, journal=Journal(), ttl_s=self.t.lease_ttl_s)
         self.peers: dict[str, SimPeer] = {}
         self.view: dict[int, list[str]] = {s: [] for s in range(n_stages)}
