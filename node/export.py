@@ -117,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
         " their next membership refresh; default 30)",
     )  # fmt: skip
     live.add_argument(
+        "--attest-wait", type=float, default=300.0, metavar="S",
+        help="seconds to wait, per stage, for a replica that serves the stage's attested"
+        " state (replicas step before a majority of them report the new round; default 300)",
+    )  # fmt: skip
+    live.add_argument(
         "--chunk-elements", type=int, default=CHUNK_ELEMENTS, metavar="N",
         help=f"fp32 elements asked per state chunk (default {CHUNK_ELEMENTS}, 16 MiB)",
     )  # fmt: skip
@@ -140,6 +145,7 @@ def _live_assembled(args: argparse.Namespace) -> Assembled:
         timeout_s=args.timeout,
         request_timeout_s=args.request_timeout,
         member_wait_s=args.member_wait,
+        attest_wait_s=args.attest_wait,
         chunk_elements=args.chunk_elements,
         progress=not args.no_progress,
     )

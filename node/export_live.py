@@ -6,11 +6,11 @@ The exporter is a short-lived member of the run:
    data-plane streams, while the coordinator never places, routes to or leases it;
 2. it reads the membership view and, for each stage, asks every replica for the first
    chunk of its global state over `/agora/state/1` (protocol.state), each with a
-   deadline; the source is a replica serving the stage's attested round (the
-   coordinator's `StatusReply.stages[...].attested`: the state a majority of the stage's
-   replicas reported), the others are fallbacks should it fail or lie; the exporter also
-   downloads that copy's momentum and checks the state's digest against the attested
-   one. A stage with nothing attested yet takes the newest round served, unchecked;
+   deadline. The source is a replica serving the stage's attested state (the
+   coordinator's `StatusReply.stages[...].attested`, which a majority of the stage's
+   replicas reported): the exporter downloads that copy's theta_g and momentum and
+   checks the digest; it asks again while none serves it (`--attest-wait`). A stage with
+   nothing attested yet takes the newest round served, unchecked;
 3. it downloads the stage's flat state chunk by chunk (starting again when the served
    round or copy changes between chunks), leaves the run, and reuses the checkpoint
    path's assembly (node.export_assembly): the flat vector is cut per parameter in
@@ -25,9 +25,10 @@ Every wait has a deadline, and a timeout names the setting that bounds it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,8 @@ from node.coordinator_client import (
     CoordinatorError,
     CoordinatorUnavailable,
 )
-from node.export_assembly import Assembled, ExportError, assemble, write_lineage
-from node.model import ModelConfig, build_stage, run_model_config, save_export
+from node.export_assembly import Assembled, ExportError, assemble
+from node.model import ModelConfig, build_stage, run_model_config
 from node.p2p.host import Libp2pTransport
 from node.p2p.transport import P2PConfig, RequestRefused, TransportError
 from protocol.control import JoinReply, JoinRequest, PeerInfo, RunInfo, StateRef
@@ -56,6 +57,7 @@ from protocol.state import CHUNK_ELEMENTS, STATE_PROTOCOL, StateChunk, StateRequ
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 5  # times a stage's download starts again because the served state changed
+ATTEST_POLL_S = 2.0  # seconds between asks while no replica serves the attested state
 RETRY_REFUSALS = ("not_member", "rate", "streams", "bytes")  # worth asking again shortly
 
 
@@ -75,11 +77,14 @@ class LiveOptions:
     # seconds replicas may take to admit the observer: they learn of it from the coordinator
     # at their next membership refresh (about one heartbeat interval) (--member-wait)
     member_wait_s: float = 30.0
+    # seconds to wait for a replica that serves the stage's attested state: replicas step
+    # before a majority of them report the new round (--attest-wait)
+    attest_wait_s: float = 300.0
     chunk_elements: int = CHUNK_ELEMENTS  # fp32 elements asked per chunk
     progress: bool = True  # show a progress bar on stderr
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "request_timeout_s", "member_wait_s"):
+        for name in ("timeout_s", "request_timeout_s", "member_wait_s", "attest_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 1 <= self.chunk_elements <= CHUNK_ELEMENTS * 2:
@@ -220,7 +225,7 @@ class _Fetcher:
             if not candidates:
                 raise LiveExportError(
                     f"no replica of stage {stage} serves its attested round {want.round} now"
-                    f" (they serve rounds {rounds})"
+                    f" (they serve rounds {rounds}; {len(errors)} did not answer)"
                 )
         for first, peer in candidates:
             try:
@@ -387,6 +392,20 @@ def _first_error(exc: BaseException) -> BaseException | None:
     return None if isinstance(exc, trio.Cancelled) else exc
 
 
+async def _replicas(client: CoordinatorClient, run: RunInfo, stage: int) -> list[PeerInfo]:
+    """The live replicas of `stage` in the membership view, by peer id."""
+    view = await client.membership()
+    return sorted(
+        (p for p in view.peers.values() if p.stage == stage and not p.observer),
+        key=lambda p: p.peer_id,
+    )
+
+
+async def _attested(client: CoordinatorClient, stage: int) -> StateRef | None:
+    status = await client.status()
+    return next((s.attested for s in status.stages if s.stage == stage), None)
+
+
 async def _fetch_stages(
     client: CoordinatorClient,
     transport: Libp2pTransport,
@@ -394,15 +413,7 @@ async def _fetch_stages(
     opts: LiveOptions,
     progress: ProgressFn,
 ) -> dict[int, StageState]:
-    view = await client.membership()
-    replicas = {
-        s: sorted(
-            (p for p in view.peers.values() if p.stage == s and not p.observer),
-            key=lambda p: p.peer_id,
-        )
-        for s in range(run.n_stages)
-    }
-    empty = [s for s, peers in replicas.items() if not peers]
+    empty = [s for s in range(run.n_stages) if not await _replicas(client, run, s)]
     if empty:
         raise LiveExportError(
             f"run {run.run_id!r}: no live replica of stage(s) {empty} in the membership view"
@@ -412,36 +423,47 @@ async def _fetch_stages(
     states: dict[int, StageState] = {}
     for stage in range(run.n_stages):
         layout = stage_layout(config, stage, run.n_stages)
-        states[stage] = await _fetch_attested(client, fetcher, stage, layout, replicas[stage])
+        states[stage] = await fetch_attested(
+            fetcher,
+            stage,
+            layout,
+            attested=functools.partial(_attested, client, stage),
+            replicas=functools.partial(_replicas, client, run, stage),
+        )
     return states
 
 
-async def _fetch_attested(
-    client: CoordinatorClient,
+async def fetch_attested(
     fetcher: _Fetcher,
     stage: int,
     layout: StageLayout,
-    replicas: list[PeerInfo],
+    attested: Callable[[], Awaitable[StateRef | None]],
+    replicas: Callable[[], Awaitable[list[PeerInfo]]],
 ) -> StageState:
-    """The stage's attested state (`StatusReply.stages[stage].attested`), asking the
-    coordinator again when the replicas moved on from it (up to `MAX_RESTARTS` times);
-    the newest round any replica serves, unchecked, when the stage has none attested."""
-    for attempt in range(MAX_RESTARTS + 1):
-        status = await client.status()
-        want = next((s.attested for s in status.stages if s.stage == stage), None)
+    """The stage's attested state (`attested()`: the coordinator's
+    `StatusReply.stages[stage].attested`), or the newest round served, unchecked, when none
+    is attested. Replicas step before a majority reports the new round (two that stepped
+    apart agree again only at a later group round), so while none serves it, ask again
+    (and for the `replicas()`) every `ATTEST_POLL_S`, for up to `attest_wait_s`."""
+    give_up = trio.current_time() + fetcher.opts.attest_wait_s
+    while True:
+        want = await attested()
         if want is None:
             log.warning(
                 "export: stage %d has no attested state; taking the newest round a replica"
                 " serves, unchecked", stage,
             )  # fmt: skip
         try:
-            return await fetcher.download(stage, layout, replicas, want)
+            return await fetcher.download(stage, layout, await replicas(), want)
         except LiveExportError as exc:
-            if want is None or attempt == MAX_RESTARTS:
+            if want is None:
                 raise
+            if trio.current_time() + ATTEST_POLL_S > give_up:
+                raise LiveExportError(
+                    f"{exc}; still so after --attest-wait {fetcher.opts.attest_wait_s:g} s"
+                ) from None
             log.info("export: stage %d: %s; asking the coordinator again", stage, exc)
-            await trio.sleep(1.0)
-    raise AssertionError("unreachable")
+        await trio.sleep(ATTEST_POLL_S)
 
 
 # --- assembling -----------------------------------------------------------------------------
@@ -514,20 +536,11 @@ def live_assembled(address: str, opts: LiveOptions) -> Assembled:
     return assemble_live(run, states, tokenizer_json=tokenizer)
 
 
-def export_live(address: str, out: Path, opts: LiveOptions) -> Assembled:
-    """`live_assembled` and write node.model's export format to `out`."""
-    got = live_assembled(address, opts)
-    save_export(got.model, got.config, out)
-    write_lineage(got, out)  # rounds only: /agora/state/1 does not carry the chain
-    return got
-
-
 __all__ = [
     "LiveExportError",
     "LiveOptions",
     "StageState",
     "assemble_live",
-    "export_live",
     "fetch_live",
     "live_assembled",
 ]

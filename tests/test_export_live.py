@@ -25,7 +25,14 @@ from node.checkpoint import GlobalState
 from node.coordinator_client import ClientConfig, CoordinatorClient, CoordinatorError
 from node.data import load_dataset
 from node.export import main as export_main
-from node.export_live import LiveExportError, LiveOptions, StageLayout, StageState, _Fetcher
+from node.export_live import (
+    LiveExportError,
+    LiveOptions,
+    StageLayout,
+    StageState,
+    _Fetcher,
+    fetch_attested,
+)
 from node.model import build_stage, load_export
 from node.p2p.host import Libp2pTransport
 from node.p2p.transport import P2PConfig
@@ -366,6 +373,66 @@ def test_download_takes_the_attested_state_and_refuses_forged_ones() -> None:
     assert got.round == 5 and got.peer_id == transports[0].peer_id
     assert torch.equal(got.flat, theta)
     assert servers[3].served_chunks == 2  # the round-9 forger: probed twice, never downloaded
+
+
+def test_the_export_waits_while_replicas_are_ahead_of_the_attested_state() -> None:
+    """Two replicas hold round 6 while the coordinator still attests round 5 (they stepped
+    before both reported it): the export asks again until round 6 is attested, then takes
+    it; with the attestation stuck it gives up after `attest_wait_s`, naming the flag."""
+    n = 8
+    worker = TorchWorker()
+    theta, m = torch.arange(n, dtype=torch.float32), torch.full((n,), 0.25)
+    new = GlobalState(theta_g=theta.clone(), momentum=m.clone(), round=6)
+    old_ref = c.StateRef(round=5, digest="ab" * 32)
+    new_ref = c.StateRef(round=6, digest=state_digest(6, theta.numpy().data, m.numpy().data))
+    client_key = NodeKey.generate()
+    transports = []
+    for _ in range(2):
+        srv, t = _state_replica(worker, lambda peer: peer == client_key.peer_id)
+        srv.hold(new)
+        transports.append(t)
+    layout = StageLayout(names=["w"], shapes=[torch.Size([n])])
+    asked: list[int] = []
+
+    async def attested() -> c.StateRef:
+        asked.append(len(asked))
+        return new_ref if len(asked) >= 3 else old_ref
+
+    async def stuck() -> c.StateRef:
+        return old_ref
+
+    async def main() -> tuple[StageState, str, float]:
+        async with trio.open_nursery() as nursery:
+            for t in transports:
+                await nursery.start(_run_transport, t)
+            client = Libp2pTransport(client_key, P2PConfig(listen=[]))
+            await nursery.start(_run_transport, client)
+
+            async def replicas() -> list[c.PeerInfo]:
+                return [
+                    c.PeerInfo(peer_id=t.peer_id, stage=1, addrs=t.listen_addrs, device="cpu",
+                               throughput=0.0)
+                    for t in transports
+                ]  # fmt: skip
+
+            opts = LiveOptions(request_timeout_s=5.0, member_wait_s=5.0, attest_wait_s=30.0)
+            fetcher = _Fetcher(client, RUN, opts, lambda *_: None)
+            got = await fetch_attested(fetcher, 1, layout, attested, replicas)
+            fetcher.opts = dataclasses.replace(opts, attest_wait_s=3.0)
+            t0 = trio.current_time()
+            with pytest.raises(LiveExportError) as failed:
+                await fetch_attested(fetcher, 1, layout, stuck, replicas)
+            waited = trio.current_time() - t0
+            nursery.cancel_scope.cancel()
+        return got, str(failed.value), waited
+
+    try:
+        got, error, waited = trio.run(main)
+    finally:
+        worker.close()
+    assert got.round == 6 and torch.equal(got.flat, theta) and len(asked) == 3
+    assert "attested round 5" in error and "[6]" in error, error
+    assert "--attest-wait 3 s" in error and 1.5 <= waited < 6.0, (error, waited)
 
 
 async def _run_transport(t: Libp2pTransport, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

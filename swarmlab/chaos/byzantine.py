@@ -190,7 +190,8 @@ class ByzantineRun(Run):
             export = subprocess.run(
                 [sys.executable, "-m", "swarmlab.cli", "export", "--coordinator",
                  self.swarm.address, "--out", str(self.workdir / f"{name}-model"),
-                 "--json", str(summary), "--timeout", str(EXPORT_TIMEOUT_S), "--no-progress"],
+                 "--json", str(summary), "--timeout", str(EXPORT_TIMEOUT_S),
+                 "--attest-wait", str(EXPORT_TIMEOUT_S / 2), "--no-progress"],
                 env=child_env(), capture_output=True, text=True, cwd=REPO,
                 timeout=EXPORT_TIMEOUT_S + 60,
             )  # fmt: skip
