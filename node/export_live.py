@@ -4,13 +4,12 @@ The exporter is a short-lived member of the run:
 1. it joins as an observer (`JoinRequest(observer=True)`, with the run's join token if
    it needs one) with a throwaway identity (or `--identity`), so nodes admit its
    data-plane streams, while the coordinator never places, routes to or leases it;
-2. it reads the membership view and, for each stage, asks every replica for the first
-   chunk of its global state over `/agora/state/1` (protocol.state), each with a
-   deadline. The source is a replica serving the stage's attested state (the
-   coordinator's `StatusReply.stages[...].attested`, which a majority of the stage's
-   replicas reported): the exporter downloads that copy's theta_g and momentum and
-   checks the digest; it asks again while none serves it (`--attest-wait`). A stage with
-   nothing attested yet takes the newest round served, unchecked;
+2. for each stage it asks every replica in the membership view for the first chunk of
+   its global state over `/agora/state/1` (protocol.state), each with a deadline. The
+   source is a replica serving the stage's attested state (`StatusReply.stages[...]
+   .attested`, which a majority of the stage's replicas reported): the exporter downloads
+   its theta_g and momentum and checks the digest, asking again while none serves it
+   (`--attest-wait`). A stage with nothing attested takes the newest round, unchecked;
 3. it downloads the stage's flat state chunk by chunk (starting again when the served
    round or copy changes between chunks), leaves the run, and reuses the checkpoint
    path's assembly (node.export_assembly): the flat vector is cut per parameter in
@@ -446,6 +445,7 @@ async def fetch_attested(
     apart agree again only at a later group round), so while none serves it, ask again
     (and for the `replicas()`) every `ATTEST_POLL_S`, for up to `attest_wait_s`."""
     give_up = trio.current_time() + fetcher.opts.attest_wait_s
+    waited = False
     while True:
         want = await attested()
         if want is None:
@@ -462,7 +462,11 @@ async def fetch_attested(
                 raise LiveExportError(
                     f"{exc}; still so after --attest-wait {fetcher.opts.attest_wait_s:g} s"
                 ) from None
-            log.info("export: stage %d: %s; asking the coordinator again", stage, exc)
+            (log.info if waited else log.warning)(
+                "export: stage %d: %s; asking again for up to --attest-wait %g s",
+                stage, exc, fetcher.opts.attest_wait_s,
+            )  # fmt: skip
+            waited = True
         await trio.sleep(ATTEST_POLL_S)
 
 
