@@ -72,6 +72,20 @@ def test_a_message_costs_its_receiver_cpu_per_message_and_per_mb() -> None:
     assert r["tokens_per_s"] == pytest.approx(8 * 128 / 0.45, rel=0.05)
 
 
+def test_stage0_keeps_the_nodes_lease_pool_open() -> None:
+    """A stage-0 peer holds `lease_pool` leases with windows left, as the node does."""
+    for pool in (2, 16):
+        f = fleet(count=2)
+        f.node = NodeSettings(outer_every_steps=0, in_flight=4, lease_pool=pool)
+        sim = SwarmSim(f, {"cpu": profile()}, 2, seed=0)
+        sim.start([(f.groups[0], 0), (f.groups[0], 1)])
+        sim.measure(5.0, 10.0)
+        (first,) = [p for p in sim.peers.values() if p.stage == 0]
+        assert sum(1 for ls in first.leases.values() if ls.next < ls.limit) == pool
+    with pytest.raises(ValueError, match="lease_pool"):
+        dataclasses.replace(fleet(), node=NodeSettings(lease_pool=0))
+
+
 def test_a_micro_batch_larger_than_a_grant_carries_all_its_tokens() -> None:
     f = fleet(count=2)
     f.node = NodeSettings(outer_every_steps=0, in_flight=4, micro_batch=128)  # 16,384 tokens

@@ -111,6 +111,7 @@ class NodeSettings:
     micro_batch: int = 8  # sequences per micro-batch
     seq_len: int = 128  # tokens per sequence
     in_flight: int = 4  # micro-batches a stage-0 node keeps in the pipeline
+    lease_pool: int = 16  # leases a stage-0 node keeps open (the node's `lease_pool`)
     activation_cache: int = 16  # micro-batches whose activations a stage keeps (memory)
     recompute: bool = False  # recompute activations in backward: less memory, +1 forward
     inner_batch_tokens: int = 4096  # tokens per inner step
@@ -158,8 +159,10 @@ class Fleet:
         if c.mean_session_min < 0 or not 0 <= c.kill_share + c.vanish_share <= 1:
             raise ValueError("fleet churn: mean_session_min >= 0, kill + vanish shares <= 1")
         n = self.node
-        if min(n.micro_batch, n.seq_len, n.in_flight, n.inner_batch_tokens) < 1:
-            raise ValueError("fleet node: micro_batch, seq_len, in_flight, inner_batch_tokens >= 1")
+        if min(n.micro_batch, n.seq_len, n.in_flight, n.inner_batch_tokens, n.lease_pool) < 1:
+            raise ValueError(
+                "fleet node: micro_batch, seq_len, in_flight, inner_batch_tokens, lease_pool >= 1"
+            )
         if n.outer_group_size < 2 or n.outer_matchmaking_s <= 0:
             raise ValueError("fleet node: outer_group_size >= 2, outer_matchmaking_s > 0")
         if n.activation_cache < n.in_flight:

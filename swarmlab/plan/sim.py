@@ -5,7 +5,7 @@
 - routing: each peer's own `node.routing.Router` (lowest expected finish time, bans,
   down marks revived by the membership), fed with simulated round trips;
 - data: the coordinator's `LeaseBook` (grants of `grant_tokens`, renewals by heartbeat,
-  expiry, fencing); stage 0 keeps `LEASE_POOL` leases open (at most `MAX_LEASES` active,
+  expiry, fencing); stage 0 keeps `lease_pool` leases open (at most `MAX_LEASES` active,
   then it asks for an early round) and commits a lease's trained prefix when the outer
   round that covers it is applied (at once without an outer loop);
 - the pipeline as the node runs it: stage 0 keeps `in_flight` micro-batches in the
@@ -51,7 +51,6 @@ from swarmlab.plan.entities import Group, LeaseState, MicroBatch, Req, SimPeer
 from swarmlab.plan.fleet import Fleet, PeerGroup
 from swarmlab.plan.profile import Profile
 
-LEASE_POOL = 8  # leases a stage-0 node keeps open (node default)
 MAX_LEASES = 64  # active leases one peer may hold (coordinator default)
 SHARD_TOKENS = DEFAULT_SHARD_TOKENS  # tokens per shard (coordinator default)
 RETRY_WAIT_S = 0.5  # back-off when no replica of the next stage is usable (s)
@@ -232,7 +231,7 @@ class SwarmSim:
         # stands in for that, or a micro-batch larger than a grant would carry a fraction
         # of its tokens at the full cost.
         grant = max(self.t.grant_tokens, self.mb_tokens)
-        while len(open_) < LEASE_POOL and len(p.leases) < MAX_LEASES:
+        while len(open_) < self.node.lease_pool and len(p.leases) < MAX_LEASES:
             lease, _ = self.book.acquire(p.pid, self.eng.now, max_tokens=grant)
             if lease is None:
                 break
