@@ -20,7 +20,10 @@ An estimate ages: the longer a peer goes unmeasured, the closer its per-item tim
 to the fastest known one (half-life `stale_half_life_s`). Without that, one slow first
 reply (a cold joiner: a fresh connection and the first forward) rated a replica so slow
 that it was never chosen, so never measured again, and starved for good (the failover
-bench's idle replacements: 1.77 s/item against 0.22 for the survivor, for minutes).
+bench's idle replacements: 1.77 s/item against 0.22 for the survivor, for minutes). A
+new measurement updates the aged estimate, not the stale one: otherwise the first fast
+reply after the gap rated the replica slow again (a chaos run's replica trained 2 inner
+steps in 71 s while its stage's other replica trained 11 rounds of 10).
 """
 
 from __future__ import annotations
@@ -104,13 +107,18 @@ class Router:
         self._stats(peer).in_flight += 1
 
     def succeeded(self, peer: str, elapsed_s: float, now: float) -> None:
+        """A reply from `peer` took `elapsed_s`. The moving average starts from the aged
+        estimate, the one `choose` went by: starting from the stored one, which ageing
+        does not change, a fast reply after a long gap set the estimate back up to near
+        the old slow value and starved the replica for another stretch."""
         st = self._stats(peer)
+        current = self.seconds_per_item(peer, now)
         st.measured_at = now
         st.in_flight = max(0, st.in_flight - 1)
         st.failures = 0
         # A reply took `elapsed_s` with `in_flight + 1` items queued at the peer.
         per_item = elapsed_s / (st.in_flight + 1)
-        st.seconds_per_item += self.ema * (per_item - st.seconds_per_item)
+        st.seconds_per_item = current + self.ema * (per_item - current)
 
     def failed(self, peer: str, now: float, *, unreachable: bool = False) -> float:
         """Record a failure; returns the ban length in seconds. `unreachable` (a transport

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
+
 from node.p2p.inproc import FaultPlan, InProcessNetwork
 from node.peer_view import PeerView, proof_s
 from node.routing import Router
@@ -76,10 +78,31 @@ def test_a_peer_measured_slow_once_is_retried_when_its_estimate_ages() -> None:
     r.started("survivor")
     r.started("survivor")  # three in flight, as a stage-0 node keeps them
     assert r.choose(["survivor", "joiner"], now=40.0) == "joiner"
-    # a fresh measurement counts in full again
+    # a fresh slow measurement counts again, from the aged estimate
     r.started("joiner")
+    aged = r.seconds_per_item("joiner", now=40.0)
     r.succeeded("joiner", 1.8, now=40.0)
-    assert r.seconds_per_item("joiner", now=40.0) > 1.0
+    assert r.seconds_per_item("joiner", now=40.0) == pytest.approx(aged + r.ema * (1.8 - aged))
+
+
+def test_a_fast_reply_after_the_gap_keeps_the_replica_rated_fast() -> None:
+    """The first reply after the estimate aged updates the aged estimate. Updating the
+    stored one set a replica that answered in 0.2 s back from 0.31 s/item (aged) to 1.17,
+    five times the survivor's, and it starved again until that aged away."""
+    r = Router(jitter=0.0)
+    for _ in range(5):  # cold start
+        r.started("joiner")
+        r.succeeded("joiner", 1.8, now=0.0)
+    for t in range(1, 41):
+        r.started("survivor")
+        r.succeeded("survivor", 0.22, now=float(t))
+    for _ in range(3):
+        r.started("survivor")
+    assert r.choose(["survivor", "joiner"], now=40.0) == "joiner"
+    r.started("joiner")
+    r.succeeded("joiner", 0.2, now=40.0)  # it is fast now
+    assert r.seconds_per_item("joiner", now=40.0) < 0.3
+    assert r.choose(["survivor", "joiner"], now=40.5) == "joiner"
 
 
 def test_an_unreachable_peer_stays_down_until_a_late_enough_view_lists_it() -> None:
