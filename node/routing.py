@@ -22,8 +22,7 @@ reply (a cold joiner: a fresh connection and the first forward) rated a replica 
 that it was never chosen, so never measured again, and starved for good (the failover
 bench's idle replacements: 1.77 s/item against 0.22 for the survivor, for minutes). A
 new measurement updates the aged estimate, not the stale one: otherwise the first fast
-reply after the gap rated the replica slow again (a chaos run's replica trained 2 inner
-steps in 71 s while its stage's other replica trained 11 rounds of 10).
+reply after the gap rated the replica slow again, and it starved for another stretch.
 """
 
 from __future__ import annotations
