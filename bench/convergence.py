@@ -113,6 +113,16 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--micro-batch", type=int, default=8, help="swarm sequences per micro-batch")
     p.add_argument(
+        "--in-flight", type=int, default=None,
+        help="micro-batches stage 0 keeps in the pipeline (default: the node's,"
+        f" {_node_default('in_flight')}); 1 = a synchronous pipeline",
+    )  # fmt: skip
+    p.add_argument(
+        "--matchmaking-s", type=float, default=None,
+        help="seconds an outer round gathers its group (default: the node's,"
+        f" {_node_default('outer_matchmaking_s')})",
+    )  # fmt: skip
+    p.add_argument(
         "--inner-batch-tokens", type=int, default=None,
         help="tokens per inner step per replica (default: central batch / replicas)",
     )  # fmt: skip
@@ -301,6 +311,8 @@ def main(argv: list[str]) -> int:
         "outer_compression_source": "flag" if args.outer_compression else "node default",
         "outer_every_steps": args.outer_every_steps,
         "inner_batch_tokens": inner_tokens,
+        "in_flight": args.in_flight or _node_default("in_flight"),
+        "matchmaking_s": args.matchmaking_s or _node_default("outer_matchmaking_s"),
         "central_batch_tokens": central_tokens,
         "central_token_match": "committed",
         "lr": args.lr,

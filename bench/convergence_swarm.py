@@ -77,11 +77,13 @@ def node_settings(args: argparse.Namespace, inner_tokens: int) -> dict[str, Any]
     return {
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
+        "in_flight": args.in_flight,
         "inner_batch_tokens": inner_tokens,
         "lr": args.lr,
         "warmup_steps": args.warmup,
         "outer_every_steps": args.outer_every_steps,
         "outer_compression": args.outer_compression,
+        "outer_matchmaking_s": args.matchmaking_s,
         "checkpoint_every_rounds": 1,
         "outer_participation_power": args.participation_power,
         "outer_lr": args.outer_lr,

@@ -1,10 +1,12 @@
 """Next-hop choice for micro-batches: lowest expected finish time, with bans.
 
 Pure and clock-injected. For each candidate peer of the next stage the router estimates
-`(queued + 1) * seconds_per_item`, where the per-item time is an exponential moving
-average of measured round trips, and picks the smallest after multiplying by a little
-random jitter so that load spreads. A peer that errors or times out is banned for a
-back-off that doubles with each consecutive failure and resets on success.
+`(queued + 1) * seconds_per_item`, where the per-item time is a moving geometric average
+of measured round trips (the first reply sets it), and picks the smallest after
+multiplying by a little random jitter so that load spreads; a share `explore` of the
+choices (5 %) goes to a usable candidate at random instead. A peer that errors or times
+out is banned for a back-off that doubles with each consecutive failure and resets on
+success.
 
 A peer whose request failed at the transport level (`unreachable`: dial refused, stream
 reset or closed) is *down*: that is what a dead peer looks like, and a ban that lapses
@@ -23,6 +25,21 @@ that it was never chosen, so never measured again, and starved for good (the fai
 bench's idle replacements: 1.77 s/item against 0.22 for the survivor, for minutes). A
 new measurement updates the aged estimate, not the stale one: otherwise the first fast
 reply after the gap rated the replica slow again, and it starved for another stretch.
+Ageing alone is slow to forgive a large excess: the jittered comparison turns only once
+the excess is within a fifth of the best, so a replica once rated 15 x slower than its
+partner waits about four half-lives (40 s) for its next micro-batch, and with a linear
+average one reply 50 x slow (caught behind a stall) rated it 15 x slower. In a 2 x 2
+swarm with one micro-batch in flight per sender, one stage-1 replica got about 3 % of
+its stage's micro-batches from its first outer round on, and its partner rounded alone
+(docs/reliability.md). Hence the geometric average (that reply raises the estimate
+3.2 x, and five normal ones undo it) and the exploration: a replica rated slow by a bad
+reply is measured again within a few dozen micro-batches, and one that is really slow
+costs at most that share of the traffic.
+
+A peer never measured is as fast as the fastest measured one at each choice, not at the
+moment it was first seen: two replicas seen before either answered were both fixed at
+the prior, and once one was measured the other lost every choice, for good, whenever
+the sender kept one micro-batch in flight (an unmeasured estimate did not age).
 """
 
 from __future__ import annotations
@@ -31,6 +48,8 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+MIN_SECONDS = 1e-6  # floor of a per-item measurement, so that ratios stay finite (s)
 
 
 @dataclass(slots=True)
@@ -46,8 +65,9 @@ class PeerStats:
 @dataclass(kw_only=True, slots=True)
 class Router:
     prior_s: float = 0.5  # seconds per item assumed when no peer is measured yet
-    ema: float = 0.3  # weight of the newest measurement
+    ema: float = 0.3  # weight of the newest measurement (in log space)
     jitter: float = 0.2  # multiplicative randomness, 0 = deterministic
+    explore: float = 0.05  # share of choices given to a usable candidate at random
     ban_base_s: float = 2.0  # first ban length (s)
     ban_max_s: float = 60.0  # longest ban (s)
     stale_half_life_s: float = 10.0  # seconds for an unmeasured estimate to halve its excess
@@ -57,20 +77,23 @@ class Router:
     def _stats(self, peer: str) -> PeerStats:
         st = self.peers.get(peer)
         if st is None:
-            # Optimistic: a new peer is assumed as fast as the fastest known one, so it is
-            # tried (and measured) instead of starving behind fast, measured peers.
             st = self.peers[peer] = PeerStats(seconds_per_item=self._fastest())
         return st
 
     def _fastest(self) -> float:
-        return min((s.seconds_per_item for s in self.peers.values()), default=self.prior_s)
+        """The lowest estimate of a measured peer (the prior while none is measured)."""
+        measured = (s.seconds_per_item for s in self.peers.values() if s.measured_at is not None)
+        return min(measured, default=self.prior_s)
 
     def seconds_per_item(self, peer: str, now: float) -> float:
-        """The peer's per-item estimate, its excess over the fastest peer decayed by age."""
+        """The peer's per-item estimate, its excess over the fastest peer decayed by age.
+
+        Optimistic: a peer never measured is as fast as the fastest measured one *now*,
+        so it is tried (and measured) instead of starving behind fast, measured peers."""
         st = self._stats(peer)
-        if st.measured_at is None:
-            return st.seconds_per_item
         best = self._fastest()
+        if st.measured_at is None:
+            return best
         age = max(0.0, now - st.measured_at)
         return best + (st.seconds_per_item - best) * math.pow(0.5, age / self.stale_half_life_s)
 
@@ -97,6 +120,8 @@ class Router:
         live = self.usable(candidates, now, exclude)
         if not live:
             return None
+        if len(live) > 1 and self.rng.random() < self.explore:
+            return self.rng.choice(live)
         return min(
             live,
             key=lambda p: self.expected_finish(p, now) * (1 + self.jitter * self.rng.random()),
@@ -112,12 +137,19 @@ class Router:
         the old slow value and starved the replica for another stretch."""
         st = self._stats(peer)
         current = self.seconds_per_item(peer, now)
+        first = st.measured_at is None
         st.measured_at = now
         st.in_flight = max(0, st.in_flight - 1)
         st.failures = 0
-        # A reply took `elapsed_s` with `in_flight + 1` items queued at the peer.
-        per_item = elapsed_s / (st.in_flight + 1)
-        st.seconds_per_item = current + self.ema * (per_item - current)
+        # A reply took `elapsed_s` with `in_flight + 1` items queued at the peer. The
+        # first one replaces the optimistic guess; later ones move a geometric average:
+        # one reply 50 x slow (caught behind an outer round) raises the estimate 3.2 x,
+        # not 16 x, and five normal replies undo it.
+        per_item = max(elapsed_s / (st.in_flight + 1), MIN_SECONDS)
+        if first:
+            st.seconds_per_item = per_item
+        else:
+            st.seconds_per_item = current * math.pow(per_item / current, self.ema)
 
     def failed(self, peer: str, now: float, *, unreachable: bool = False) -> float:
         """Record a failure; returns the ban length in seconds. `unreachable` (a transport

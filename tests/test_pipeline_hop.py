@@ -62,7 +62,7 @@ class Swarm:
         cfg = preset("tiny")
         for name, stage in layout:
             transport = self.network.transport(self.ids[name])
-            view = PeerView(transport, Router(jitter=0.0), stage=stage)
+            view = PeerView(transport, Router(jitter=0.0, explore=0.0), stage=stage)
             view.update(1, members)
             worker = TorchWorker()
             self.workers.append(worker)

@@ -60,7 +60,7 @@ def run_driver(
     hops: dict[str, PipelineHop] = {}
     for (name, stage), worker in zip((("s0", 0), ("a", 1), ("b", 1)), workers, strict=True):
         transport = network.transport(ids[name])
-        view = PeerView(transport, Router(jitter=0.0), stage=stage)
+        view = PeerView(transport, Router(jitter=0.0, explore=0.0), stage=stage)
         view.update(1, members)
         hop = PipelineHop(transport, view, worker, request_timeout_s=5.0, max_rows=8)
         hop.stage_built(StageCompute(preset("tiny"), stage, 2, "subspace_int4", INNER))
