@@ -27,8 +27,8 @@ new measurement updates the aged estimate, not the stale one: otherwise the firs
 reply after the gap rated the replica slow again, and it starved for another stretch.
 Ageing alone is slow to forgive a large excess: the jittered comparison turns only once
 the excess is within a fifth of the best, so a replica once rated 15 x slower than its
-partner waits about four half-lives (40 s) for its next micro-batch, and with a linear
-average one reply 50 x slow (caught behind a stall) rated it 15 x slower. In a 2 x 2
+partner waits about six half-lives (60 s) for its next micro-batch, and with a linear
+average one reply 50 x slow (a stall at the peer) rated it 15 x slower. In a 2 x 2
 swarm with one micro-batch in flight per sender, one stage-1 replica got about 3 % of
 its stage's micro-batches from its first outer round on, and its partner rounded alone
 (docs/reliability.md). Hence the geometric average (that reply raises the estimate
@@ -143,8 +143,8 @@ class Router:
         st.failures = 0
         # A reply took `elapsed_s` with `in_flight + 1` items queued at the peer. The
         # first one replaces the optimistic guess; later ones move a geometric average:
-        # one reply 50 x slow (caught behind an outer round) raises the estimate 3.2 x,
-        # not 16 x, and five normal replies undo it.
+        # one reply 50 x slow (a stall at the peer) raises the estimate 3.2 x, not
+        # 16 x, and five normal replies undo it.
         per_item = max(elapsed_s / (st.in_flight + 1), MIN_SECONDS)
         if first:
             st.seconds_per_item = per_item

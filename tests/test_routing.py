@@ -81,7 +81,7 @@ def test_a_replica_seen_with_another_before_either_answered_is_still_tried() -> 
 
 
 def test_a_replica_rated_slow_by_one_bad_reply_is_measured_again_soon() -> None:
-    """One reply 15 x slower than the other replica's (caught behind its outer round):
+    """One reply 50 x slower than the other replica's (a stall at the peer):
     exploration sends it a micro-batch within a few dozen choices, long before ageing
     alone (10 s half-life) brings it back, and its fast reply restores its share."""
     r = _router(explore=0.05)
