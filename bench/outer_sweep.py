@@ -221,6 +221,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--lr", type=float, default=_DEFAULT.lr, help="inner and central peak lr")
     p.add_argument("--warmup", type=int, default=_DEFAULT.warmup, help="warm-up steps")
+    p.add_argument(
+        "--central-schedule", default=_DEFAULT.central_schedule, choices=("constant", "cosine"),
+        help="the central run's lr after warm-up: constant (default; the nodes' inner"
+        " schedule) or cosine decay to 0.1x, as every sweep before 6 December measured",
+    )  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -348,6 +353,7 @@ def main(argv: list[str]) -> int:
             batch_size=args.batch_size, seq_len=args.seq_len,
             inner_batch_tokens=args.inner_batch_tokens, lr=args.lr, warmup=args.warmup,
             eval_batches=args.eval_batches, seed=args.seed,
+            central_schedule=args.central_schedule,
             kill_at=_DEFAULT.kill_at if args.kill_at is None else tuple(args.kill_at),
         )  # fmt: skip
         axes = _axes(args, args.grid)

@@ -13,12 +13,15 @@ from pathlib import Path
 
 import torch
 
+from bench.convergence import CENTRAL_FLOOR
+from bench.convergence_stats import central_losses
 from bench.outer_sweep import main
 from bench.outer_sweep_data import GrantQueue, PooledBatches
-from bench.outer_sweep_sim import Common, Setting, Simulation, flat_params
+from bench.outer_sweep_sim import Common, Setting, Simulation, central, flat_params
 from coordinator.config import CoordinatorConfig
 from coordinator.journal import Journal
 from coordinator.leases import Lease, LeaseBook, Shard
+from node.baseline import TrainConfig
 from node.config import NodeConfig
 from node.data import Dataset, load_dataset, split_dataset
 from node.lease_pool import Window
@@ -235,3 +238,24 @@ def test_robust_aggregation_is_a_switch_the_sweep_compares(tmp_path: Path) -> No
     assert [r["robust"] for r in rows] == [True, False]
     assert all(r["rejected_contributions"] >= 0 and math.isfinite(r["eval_loss"]) for r in rows)
     assert rows[1]["rejected_contributions"] == 0  # the plain mean leaves nothing out
+
+
+def test_the_simulations_central_run_is_the_convergence_benchs() -> None:
+    """Both benches measure gaps against a central run; with the same steps, seed and
+    schedule they must be the same run (before, the simulation's decayed its lr by
+    cosine while the convergence bench's stayed constant, as the nodes' does)."""
+    torch.set_num_threads(1)
+    dataset = load_dataset()
+    common = Common(preset="tiny", batch_size=2, seq_len=32, warmup=2, eval_batches=1, seed=3)
+    loss, tokens, _ = central(common, dataset, 6 * common.central_tokens)
+    cfg = TrainConfig(
+        preset="tiny", steps=6, batch_size=2, seq_len=32, warmup=2, eval_every=6,
+        eval_batches=1, threads=1, seed=3, min_lr_ratio=CENTRAL_FLOOR["constant"],
+        weight_decay=common.weight_decay, lr=common.lr,
+    )  # fmt: skip
+    losses, _ = central_losses(cfg, dataset, [6])
+    assert tokens == 6 * common.central_tokens and loss == losses[6]
+    cosine, _, _ = central(
+        dataclasses.replace(common, central_schedule="cosine"), dataset, 6 * common.central_tokens
+    )
+    assert cosine != loss
