@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from bench.convergence_stats import (
+    CENTRAL_FLOOR,
     SPLITS,
     Interval,
     central_losses,
@@ -66,9 +67,6 @@ from swarmlab.procs import workdir_path
 RUN_KINDS = ("swarm", "churn", "4stage")  # the swarm runs `--runs` may name, in run order
 SUFFIX = {"swarm": "", "churn": "_churn", "4stage": "_4stage"}  # of each kind's JSON keys
 FOUR = 4  # stages of the 4stage run
-# the central run's learning rate after warm-up, as a fraction of the peak at its last
-# step: constant (the swarm's inner schedule), or cosine decay to 0.1 x
-CENTRAL_FLOOR = {"constant": 1.0, "cosine": 0.1}
 
 
 def topology(args: argparse.Namespace, kind: str) -> Topology:

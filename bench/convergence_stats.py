@@ -9,6 +9,8 @@
   step (same init, optimizer, schedule, data order and held-out set: its loss at
   `cfg.steps` equals `train(cfg, dataset)`'s eval loss; tests/test_bench_convergence.py
   checks it), so one run serves every token count of a seed.
+- `CENTRAL_FLOOR`: the central run's lr schedules after warm-up, shared by this bench and
+  `agora bench outer-sweep`'s simulation.
 - `heldout_split(dataset, split)`: the dataset with its held-out tokens cut down to one
   split of the held-out shards: `heldout` (all of them), `validation` (the 2nd, 4th, ...
   held-out shard) or `test` (the 1st, 3rd, ...): validation and test are disjoint, so a
@@ -30,6 +32,10 @@ from node.baseline import ChainedStages, TrainConfig, evaluate, lr_at, train_ste
 from node.data import Dataset, RandomBatches, eval_batches, tokens_tensor
 from node.model import param_groups
 from protocol.corpus import ShardInfo, shard_data
+
+# the central run's learning rate after warm-up, as a fraction of the peak at its last
+# step: constant (the swarm's inner schedule), or cosine decay to 0.1 x
+CENTRAL_FLOOR = {"constant": 1.0, "cosine": 0.1}
 
 SPLITS = ("heldout", "validation", "test")
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.convergence_stats import SPLITS, heldout_split
+from bench.convergence_stats import CENTRAL_FLOOR, SPLITS, heldout_split
 from bench.outer_sweep_sim import (
     DATA_MODES,
     OUTER_CODECS,
@@ -222,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=_DEFAULT.lr, help="inner and central peak lr")
     p.add_argument("--warmup", type=int, default=_DEFAULT.warmup, help="warm-up steps")
     p.add_argument(
-        "--central-schedule", default=_DEFAULT.central_schedule, choices=("constant", "cosine"),
+        "--central-schedule", default=_DEFAULT.central_schedule, choices=sorted(CENTRAL_FLOOR),
         help="the central run's lr after warm-up: constant (default; the nodes' inner"
         " schedule) or cosine decay to 0.1x, as every sweep before 6 December measured",
     )  # fmt: skip

@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from bench.convergence_stats import CENTRAL_FLOOR
 from bench.outer_sparse import SPARSE_CODECS, ErrorFeedback
 from bench.outer_sweep_data import GrantQueue, LeaseBatches, LeaseQueue, PooledBatches
 from node.baseline import ChainedStages, TrainConfig, evaluate, lr_at, train, train_step
@@ -102,8 +103,9 @@ class Common:
     lr: float = float(_node_default("lr"))  # inner and central peak lr (dimensionless)
     warmup: int = int(_node_default("warmup_steps"))  # inner and central warm-up (steps)
     weight_decay: float = float(_node_default("weight_decay"))  # AdamW decay (dimensionless)
-    min_lr_ratio: float = 0.1  # cosine floor of a cosine central run and inner lr (fraction)
-    # the central run's lr after warm-up: "constant" (the node's inner schedule) or "cosine"
+    min_lr_ratio: float = 0.1  # cosine floor of a cosine inner lr (fraction)
+    # the central run's lr after warm-up, one of CENTRAL_FLOOR: "constant" (the node's
+    # inner schedule) or "cosine"
     central_schedule: str = "constant"
     eval_batches: int = 16  # held-out batches of batch_size x seq_len (batches)
     seed: int = 0  # model, data and churn seed (integer)
@@ -118,9 +120,9 @@ class Common:
             raise ValueError(
                 f"inner_batch_tokens {self.inner_tokens} must be a multiple of seq_len {self.seq_len}"
             )
-        if self.central_schedule not in ("constant", "cosine"):
+        if self.central_schedule not in CENTRAL_FLOOR:
             raise ValueError(
-                f"central schedule {self.central_schedule!r}: choose constant or cosine"
+                f"central schedule {self.central_schedule!r}: choose from {sorted(CENTRAL_FLOOR)}"
             )
         if any(not 0.0 <= f < 1.0 for f in self.kill_at):
             raise ValueError(f"kill fractions must be in [0, 1), got {self.kill_at}")
@@ -433,10 +435,9 @@ def central(common: Common, dataset: Dataset, tokens: int) -> tuple[float, int, 
     after warm-up is constant (`common.central_schedule`), as the nodes' inner lr is:
     a cosine decay over these short runs made it a weaker reference by 7-8 %."""
     steps = max(1, round(tokens / common.central_tokens))
-    floor = 1.0 if common.central_schedule == "constant" else common.min_lr_ratio
     cfg = TrainConfig(
         preset=common.preset, steps=steps, batch_size=common.batch_size, seq_len=common.seq_len,
-        lr=common.lr, warmup=common.warmup, min_lr_ratio=floor,
+        lr=common.lr, warmup=common.warmup, min_lr_ratio=CENTRAL_FLOOR[common.central_schedule],
         weight_decay=common.weight_decay, seed=common.seed, eval_every=steps,
         eval_batches=common.eval_batches, threads=1,
     )  # fmt: skip

@@ -346,7 +346,7 @@ class PipelineHop:
                         continue  # another peer can take it now
                 await trio.sleep(RETRY_WAIT_S)
         assert grad_in is not None
-        self._account(None)
+        self._account(rows)
         self.witness(peer, _tokens(rows))
         if compute.model.stage == 1:
             self.witness(peer_id, _tokens(rows))
@@ -354,13 +354,12 @@ class PipelineHop:
 
     # --- accounting ----------------------------------------------------------------------
 
-    def _account(self, rows: np.ndarray | None) -> None:
-        """Trained tokens (where this stage counts them) and the codecs' byte counts into
-        the Prometheus counters."""
-        if rows is not None:
-            n = _tokens(rows)
-            self.tokens_trained += n
-            metrics.TOKENS.inc(n)
+    def _account(self, rows: np.ndarray) -> None:
+        """A finished micro-batch's tokens, and the codecs' byte counts, into the
+        Prometheus counters: every stage counts the tokens it finished backward for."""
+        n = _tokens(rows)
+        self.tokens_trained += n
+        metrics.TOKENS.inc(n)
         assert self.compute is not None
         counts = self.compute.bytes_counts()
         for key, value in counts.items():

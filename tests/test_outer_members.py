@@ -6,7 +6,9 @@ peer id is the node's and every DHT address it announces ends in that id. A roun
 the stage's members (`Begin.members`, the coordinator's view) forms no group with a peer
 outside them: a stranger that runs a replica of the stage, holds its state and looks for
 a group at the same moment stays out, and the members average their own work only. The
-same stranger is admitted when the members are not given (the control run).
+same stranger is admitted when the members are not given (the control run). A group
+that holds every listed member is full: it averages at once instead of gathering for the
+whole matchmaking window.
 
 The pytest process only imports `node.outer_link` (no hivemind).
 """
@@ -114,3 +116,40 @@ def test_without_the_members_the_stranger_joins(
             return
         print(f"attempt {attempt}: group sizes {ra.group_size}, {rb.group_size}")
     pytest.fail("the three replicas never formed a group of three in 4 tries")
+
+
+def test_a_group_of_every_listed_member_does_not_wait_out_the_window(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """With a 30 s matchmaking window and room for 8, the two listed members of a stage
+    average as soon as both are in: the round ends well inside the window (it ran the
+    whole window before, unless 8 replicas joined)."""
+    window = 30.0
+    cfg = OuterConfig(
+        matchmaking_s=window, request_timeout_s=0.5, round_timeout_s=4.0,
+        state_timeout_s=10.0, target_group_size=8, diloco=CFG.diloco,
+    )  # fmt: skip
+    for attempt in range(3):
+        run = uuid.uuid4().hex[:8]
+        keys = [NodeKey.generate() for _ in range(2)]
+        pair: list[OuterLink] = []
+        for key in keys:
+            link = OuterLink.start(
+                run_id=run, stage=0, numel=N, initial_peers=[a for m in pair for a in m.dht_addrs()],
+                config=cfg, env=child_env, identity=key.libp2p_private_key(),
+            )  # fmt: skip
+            links.append(link)
+            pair.append(link)
+        theta0 = vec(0)
+        pair[0].set_initial_state([theta0])
+        assert pair[1].fetch_state(timeout=15) == 0
+        members = [k.peer_id for k in keys]
+        for i, link in enumerate(pair):
+            link.begin_round([theta0 - 0.01 * (vec(1) + vec(10 + i))], TOKENS[i], members=members)
+        ra, rb = (link.wait_result(3 * window) for link in pair)
+        if ra.group_size == rb.group_size == 2:
+            assert max(ra.seconds, rb.seconds) < window / 2, (ra, rb)
+            assert torch.equal(pair[0].theta_g(), pair[1].theta_g())
+            return
+        print(f"attempt {attempt}: group sizes {ra.group_size}, {rb.group_size}")
+    pytest.fail("the two members never formed a group of two in 3 tries")

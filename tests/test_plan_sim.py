@@ -115,9 +115,12 @@ def test_outer_rounds_commit_in_lumps_and_time_rounds() -> None:
 @pytest.mark.parametrize(
     ("stages", "group_size", "low", "high"),
     [
-        ([0, 0, 1, 1], 8, 6.0, 6.5),  # a pair gathers for the whole matchmaking time
-        ([0, 0, 1, 1], 2, 0.0, 4.0),  # ... unless it reaches the group size first
-        ([0, 1], 8, 13.0, 13.5),  # a lone replica steps when its averaging times out
+        # a group closes once it holds every replica of its stage, well inside the 6 s
+        # matchmaking window: a pair, three, and a replica alone on its stage at once
+        # (not when its averaging would time out, 13 s)
+        ([0, 0, 1, 1], 8, 0.0, 4.0),
+        ([0, 0, 0, 1, 1, 1], 8, 0.0, 4.0),
+        ([0, 1], 8, 0.0, 4.0),
     ],
 )
 def test_a_round_lasts_as_long_as_the_node_gathers_its_group(

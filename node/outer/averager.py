@@ -115,6 +115,9 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         # ours or serves us state; None admits anyone
         self._members: frozenset[str] | None = None
         self._refused: set[PeerID] = set()  # strangers refused (and logged) so far
+        # the largest group (peers); a round's group is complete, and starts at once, when
+        # every listed member of the stage is in it (`_prepare`)
+        self._largest_group: int | None = kwargs.get("target_group_size")
         super().__init__([contribution], dht, prefix=prefix, start=False, **kwargs)
 
     # ---- who may take part ---------------------------------------------------------------
@@ -128,6 +131,12 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
 
     async def _prepare(self, members: list[str] | None) -> None:
         self._members = None if members is None else frozenset(members)
+        # A group of every replica the coordinator lists is full: it averages as soon as
+        # they are all in, and the matchmaking window only waits for a straggler. (With
+        # the configured size alone a group of two waits out the whole window each round.)
+        largest = self._largest_group
+        if self._members is not None and largest is not None:
+            self._matchmaking.target_group_size = max(2, min(largest, len(self._members)))
         if len(self._refused) > 4096:  # bounded: a peer forgotten is logged once more
             self._refused.clear()
 

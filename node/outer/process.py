@@ -376,16 +376,21 @@ class OuterProcess:
             "attested_round": attested[0] if attested is not None else -1,
             "attested_digest": attested[1] if attested is not None else "",
         }
-        try:
-            info = self.averager.step(
-                gather=gather,
-                weight=1.0,
-                timeout=self.cfg.matchmaking_s * 2 + 1.0,
-                allow_retries=False,
-            )
-        except Exception as exc:  # no group formed in time: this replica steps alone
-            log.info("no group this round (%r); stepping alone", exc)
-            info = None
+        info: Any = None
+        if members is not None and not set(members) - {self.dht.peer_id.to_base58()}:
+            # no other replica is listed on the stage, and groups admit members only: no
+            # group can form, so the window is not waited out (a drain's last round)
+            log.info("no other member on the stage; stepping alone")
+        else:
+            try:
+                info = self.averager.step(
+                    gather=gather,
+                    weight=1.0,
+                    timeout=self.cfg.matchmaking_s * 2 + 1.0,
+                    allow_retries=False,
+                )
+            except Exception as exc:  # no group formed in time: this replica steps alone
+                log.info("no group this round (%r); stepping alone", exc)
         bytes_out, bytes_in, rejected, carried = 0, 0, {}, False
         agreed = self.agreed(info) if isinstance(info, dict) else None
         accused = caught(info) if isinstance(info, dict) else {}

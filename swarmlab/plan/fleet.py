@@ -116,11 +116,12 @@ class NodeSettings:
     recompute: bool = False  # recompute activations in backward: less memory, +1 forward
     inner_batch_tokens: int = 4096  # tokens per inner step
     outer_every_steps: int = 25  # inner steps per outer round (0 = no outer loop)
-    # seconds a group gathers before its round (from its first member's start, however
-    # many join: hivemind's min_matchmaking_time); a replica that finds no groupmate
-    # steps alone after twice that plus 1 s (the node's averaging timeout)
+    # seconds a group gathers before its round at most (from its first member's start:
+    # hivemind's min_matchmaking_time), closing early once every replica the stage lists
+    # is in; a replica that finds no groupmate steps alone after twice that plus 1 s (the
+    # node's averaging timeout)
     outer_matchmaking_s: float = 6.0
-    outer_group_size: int = 8  # replicas at which a group closes early (target_group_size)
+    outer_group_size: int = 8  # the largest group (target_group_size)
     outer_bytes_per_param: float = 2.0  # pseudo-gradient codec (fp16: 2, uint8: ~1)
     codec: str = "subspace_int4"  # boundary codec
     precision: str = "bf16"  # GPU compute precision (the CPU profile is fp32)

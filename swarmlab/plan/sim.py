@@ -15,9 +15,10 @@
   another replica;
 - outer rounds: every `outer_every_steps` inner steps (or after a quarter of them, to join
   a replica already forming a group), a group of the stage's replicas gathers for
-  `outer_matchmaking_s` (closing early only at `outer_group_size`), exchanges a
-  reduce-scatter and all-gather of the compressed stage (2 (g-1)/g of it each way per
-  member) and merges the result on the worker; a replica with no groupmate steps alone
+  `outer_matchmaking_s` (closing early once it holds every replica the stage lists, or
+  `outer_group_size`), exchanges a reduce-scatter and all-gather of the compressed
+  stage (2 (g-1)/g of it each way per member) and merges the result on the worker; a
+  replica alone on its stage steps at once, one whose listed groupmates do not come
   when the node's averaging times out. Training goes on meanwhile;
 - churn: sessions end by a clean leave, a SIGKILL (callers see a reset `kill_detect_s`
   plus one RTT later) or a vanished host (callers wait for the request timeout); each leaver is replaced by a
@@ -414,8 +415,8 @@ class SwarmSim:
             return
         now = self.eng.now
         others = [x for x in self.view.get(p.stage, []) if x != p.pid and x in self.peers]
-        if not others:
-            self.eng.after(self._lone_s(), lambda: self._apply_round(p))
+        if not others:  # the node steps alone at once when no other replica is listed
+            self.eng.after(0.0, lambda: self._apply_round(p))
             return
         g = self.forming.get(p.stage)
         if g is None or g.closed:
@@ -426,7 +427,9 @@ class SwarmSim:
                 o = self.peers[oid]
                 self.eng.after(self.rng.uniform(0, PEEK_S), partial(self._peek, o, g))
         g.members.append(p)
-        if len(g.members) >= self.node.outer_group_size:
+        # full, and closed at once, when it holds every replica the stage lists (as the
+        # node's averager: node.outer.averager, `_prepare`)
+        if len(g.members) >= min(self.node.outer_group_size, len(others) + 1):
             self._close(g)
 
     def _lone_s(self) -> float:
