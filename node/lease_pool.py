@@ -10,8 +10,9 @@ it what happened. Its rules:
   left (the coordinator says so in the heartbeat reply) is taken at once, not when the
   pool next runs short, so a dead holder's data waits one heartbeat, not one lease.
 - `take(n, rng)` hands out untaken windows, at random across the open leases with an
-  `rng` (so one inner step sees many places of the corpus) or in lease order without.
-  A window is handed out at most once.
+  `rng` (so one inner step sees many places of the corpus) or in lease order without;
+  a drain draws from the few leases nearest completion (`finishing`), so the leases it
+  completes commit. A window is handed out at most once.
 - `finish(windows, final)` marks windows trained. Without an outer loop (`final`) they
   may be committed at once; with one, they wait for the round that carries them. Only
   the contiguous prefix of committable ranges from a lease's committed offset can be
@@ -45,7 +46,9 @@ state that round made is one the stage agreed on:
   members may end it in different states of one round (one stepped alone when its
   exchange failed, one missed a part), and the next group keeps one of them;
 - on a stage where this replica is the only one (`sole`), the round and every held
-  round are committed at once: there is no other lineage;
+  round are committed at once: there is no other lineage. That holds for a round that
+  did not apply too (a drain's last replica, whose groupmate left before the round that
+  would have agreed on its last contribution): its state still holds the held rounds;
 - `adopted` (this replica replaced its state with another replica's, rebase or download):
   a held round whose state (round, digest) is in the adopted state's chain (`lineage`)
   is an ancestor of it: its training is still there and it stays held (another
@@ -194,13 +197,25 @@ class LeasePool:
         """The pool may take one more freed range (up to twice `max_open` open leases)."""
         return self.open_leases < 2 * self.max_open
 
-    def take(self, n: int, rng: random.Random | None = None) -> list[Window]:
-        """Up to `n` untaken windows: drawn with `rng`, or the oldest ones without."""
+    def take(self, n: int, rng: random.Random | None = None, *, finishing: int = 0) -> list[Window]:
+        """Up to `n` untaken windows: drawn with `rng`, or the oldest ones without.
+        `finishing` > 0 (a drain) draws only from the windows of that many leases, those
+        with the fewest untaken windows: a lease commits only the contiguous prefix of
+        its trained windows, so a drain that ends part-way keeps what it trained only in
+        leases it completed, and drawing across all of them would complete none."""
         n = min(n, len(self._untaken))
         if rng is None:
             out, self._untaken = self._untaken[:n], self._untaken[n:]
             return out
-        return [self._untaken.pop(rng.randrange(len(self._untaken))) for _ in range(n)]
+        if finishing <= 0:
+            return [self._untaken.pop(rng.randrange(len(self._untaken))) for _ in range(n)]
+        left: dict[int, int] = {}
+        for w in self._untaken:
+            left[w.lease.lease_id] = left.get(w.lease.lease_id, 0) + 1
+        near = set(sorted(left, key=lambda lease_id: left[lease_id])[:finishing])
+        among = [i for i, w in enumerate(self._untaken) if w.lease.lease_id in near]
+        picked = sorted(rng.sample(among, min(n, len(among))), reverse=True)
+        return [self._untaken.pop(i) for i in picked]
 
     def finish(self, windows: Iterable[Window], *, final: bool) -> None:
         """These windows were trained (fenced leases' windows are ignored): committable
@@ -280,7 +295,7 @@ class LeasePool:
             back.add(facts.mark.gen)
         agreed: set[int] = set()
         rode_in: Link | None = None
-        if facts.applied and facts.sole:  # no other lineage
+        if facts.sole:  # no other lineage, applied or not (the state holds the held rounds)
             agreed, rode_in = set(self._held), (facts.round, facts.digest)
         elif facts.agreed is not None and facts.agreed in facts.lineage:
             upto = facts.lineage[: facts.lineage.index(facts.agreed) + 1]
