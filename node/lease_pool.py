@@ -10,9 +10,8 @@ it what happened. Its rules:
   left (the coordinator says so in the heartbeat reply) is taken at once, not when the
   pool next runs short, so a dead holder's data waits one heartbeat, not one lease.
 - `take(n, rng)` hands out untaken windows, at random across the open leases with an
-  `rng` (so one inner step sees many places of the corpus) or in lease order without;
-  a drain draws from the few leases nearest completion (`finishing`), so the leases it
-  completes commit. A window is handed out at most once.
+  `rng` (so one inner step sees many places of the corpus) or in lease order without.
+  A window is handed out at most once.
 - `finish(windows, final)` marks windows trained. Without an outer loop (`final`) they
   may be committed at once; with one, they wait for the round that carries them. Only
   the contiguous prefix of committable ranges from a lease's committed offset can be
@@ -197,25 +196,13 @@ class LeasePool:
         """The pool may take one more freed range (up to twice `max_open` open leases)."""
         return self.open_leases < 2 * self.max_open
 
-    def take(self, n: int, rng: random.Random | None = None, *, finishing: int = 0) -> list[Window]:
-        """Up to `n` untaken windows: drawn with `rng`, or the oldest ones without.
-        `finishing` > 0 (a drain) draws only from the windows of that many leases, those
-        with the fewest untaken windows: a lease commits only the contiguous prefix of
-        its trained windows, so a drain that ends part-way keeps what it trained only in
-        leases it completed, and drawing across all of them would complete none."""
+    def take(self, n: int, rng: random.Random | None = None) -> list[Window]:
+        """Up to `n` untaken windows: drawn with `rng`, or the oldest ones without."""
         n = min(n, len(self._untaken))
         if rng is None:
             out, self._untaken = self._untaken[:n], self._untaken[n:]
             return out
-        if finishing <= 0:
-            return [self._untaken.pop(rng.randrange(len(self._untaken))) for _ in range(n)]
-        left: dict[int, int] = {}
-        for w in self._untaken:
-            left[w.lease.lease_id] = left.get(w.lease.lease_id, 0) + 1
-        near = set(sorted(left, key=lambda lease_id: left[lease_id])[:finishing])
-        among = [i for i, w in enumerate(self._untaken) if w.lease.lease_id in near]
-        picked = sorted(rng.sample(among, min(n, len(among))), reverse=True)
-        return [self._untaken.pop(i) for i in picked]
+        return [self._untaken.pop(rng.randrange(len(self._untaken))) for _ in range(n)]
 
     def finish(self, windows: Iterable[Window], *, final: bool) -> None:
         """These windows were trained (fenced leases' windows are ignored): committable

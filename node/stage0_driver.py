@@ -13,10 +13,8 @@ A fenced lease is dropped at once: its windows in flight are not finished, and n
 of it is committed. When a heartbeat reply says that ranges of expired or released
 leases wait for a holder, the driver asks for one at once (`freed_only`), even with a
 full pool (up to twice its size, `LeasePool.room_for_freed`): a dead holder's data is
-trained again one heartbeat after its lease expired, not when this node next runs
-short. On drain the driver finishes its open leases within half the drain budget, a
-few at a time (`DRAIN_FOCUS`, the leases nearest completion), so the ones it completes
-commit whole; what is left is released at the committed offset when the node leaves.
+trained again one heartbeat after its lease expired, not when this node next runs short. On drain the driver finishes its open leases within half the drain
+budget; what is left is released at the committed offset when the node leaves.
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ from protocol.control import LeaseInfo
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 2.0  # seconds between polls when there is no lease to be had
-DRAIN_FOCUS = 2  # leases a draining node draws its windows from at a time (leases)
 
 
 class Stage0Driver:
@@ -142,8 +139,7 @@ class Stage0Driver:
                     continue
                 await slots.acquire()
                 # A fence may have emptied the pool while this waited for a slot.
-                focus = DRAIN_FOCUS if self.drain.started else 0
-                batch = self.pool.take(self.micro_batch, self.rng, finishing=focus)
+                batch = self.pool.take(self.micro_batch, self.rng)
                 if not batch:
                     slots.release()
                     continue

@@ -281,20 +281,6 @@ def test_held_rounds_commit_when_a_round_that_did_not_apply_finds_the_replica_al
     assert verdict.rode_in == (1, "a1")
 
 
-def test_a_drain_draws_from_the_leases_nearest_completion() -> None:
-    pool = LeasePool(seq_len=SEQ, max_open=4, shard_cache=4)
-    for lease_id in (1, 2, 3):
-        pool.open(lease(lease_id, shard_id=lease_id, limit=40), SHARD)  # 10 windows each
-    rng = random.Random(0)
-    pool.take(6, None)  # lease 1 has 4 untaken windows left, leases 2 and 3 have 10
-    got = pool.take(8, rng, finishing=1)
-    assert {w.lease.lease_id for w in got} == {1} and len(got) == 4  # only lease 1's
-    got = pool.take(8, rng, finishing=2)
-    assert {w.lease.lease_id for w in got} <= {2, 3} and len(got) == 8
-    pool.finish(got, final=True)
-    assert len(pool.take(100, rng)) == 12  # every window is handed out once
-
-
 def test_a_round_without_a_result_hands_its_windows_to_the_next_round() -> None:
     pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
     pool.open(lease(1, limit=16), SHARD)
