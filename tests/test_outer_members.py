@@ -153,3 +153,28 @@ def test_a_group_of_every_listed_member_does_not_wait_out_the_window(
             return
         print(f"attempt {attempt}: group sizes {ra.group_size}, {rb.group_size}")
     pytest.fail("the two members never formed a group of two in 3 tries")
+
+
+def test_a_replica_alone_on_its_stage_steps_at_once(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """Listed as the stage's only member, a replica does not wait for a group that cannot
+    form (groups admit members only): it steps alone at once, not when its averaging
+    would time out (2 x 30 s + 1 s here)."""
+    window = 30.0
+    cfg = OuterConfig(
+        matchmaking_s=window, request_timeout_s=0.5, round_timeout_s=4.0,
+        state_timeout_s=10.0, diloco=CFG.diloco,
+    )  # fmt: skip
+    key = NodeKey.generate()
+    link = OuterLink.start(
+        run_id=uuid.uuid4().hex[:8], stage=0, numel=N, config=cfg, env=child_env,
+        identity=key.libp2p_private_key(),
+    )  # fmt: skip
+    links.append(link)
+    theta0 = vec(0)
+    link.set_initial_state([theta0])
+    link.begin_round([theta0 - 0.01 * vec(1)], TOKENS[0], members=[key.peer_id])
+    result = link.wait_result(3 * window)
+    assert result.group_size == 1 and result.applied and result.round == 1, result
+    assert result.seconds < window / 2, result
