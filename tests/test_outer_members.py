@@ -52,6 +52,34 @@ def test_the_outer_process_runs_under_the_nodes_key(
     assert link.dht_addrs() and all(a.endswith(f"/p2p/{key.peer_id}") for a in link.dht_addrs())
 
 
+def start_stage(
+    links: list[OuterLink], env: dict[str, str], n: int, cfg: OuterConfig
+) -> tuple[list[OuterLink], list[NodeKey]]:
+    """A fresh stage of `n` outer processes, each under its own key, joined into one DHT;
+    the first holds `vec(0)` as the state and the others fetched it."""
+    run = uuid.uuid4().hex[:8]
+    keys = [NodeKey.generate() for _ in range(n)]
+    out: list[OuterLink] = []
+    for key in keys:
+        boot = [a for m in out for a in m.dht_addrs()]
+        link = OuterLink.start(
+            run_id=run, stage=0, numel=N, initial_peers=boot, config=cfg, env=env,
+            identity=key.libp2p_private_key(),
+        )  # fmt: skip
+        links.append(link)
+        out.append(link)
+    out[0].set_initial_state([vec(0)])
+    for link in out[1:]:
+        assert link.fetch_state(timeout=15) == 0 and link.digest == out[0].digest
+    return out, keys
+
+
+def begin(link: OuterLink, i: int, members: list[str] | None) -> None:
+    """Replica `i`'s round: a shared step plus one of its own, so that replicas' deltas
+    point alike, as honest ones do."""
+    link.begin_round([vec(0) - 0.01 * (vec(1) + vec(10 + i))], TOKENS[i], members=members)
+
+
 def stage_round(
     links: list[OuterLink], env: dict[str, str], listed: bool
 ) -> tuple[list[OuterLink], list[RoundResult]]:
@@ -59,26 +87,10 @@ def stage_round(
     their DHT and fetched their state. All three train and begin a round together; A and
     B are told the members (`listed`) or not. Returns the three links and A's and B's
     results (C's round may fail: a group it led lost its followers)."""
-    run = uuid.uuid4().hex[:8]
-    keys = [NodeKey.generate() for _ in range(3)]
+    out, keys = start_stage(links, env, 3, CFG)
     members = [keys[0].peer_id, keys[1].peer_id]
-    out: list[OuterLink] = []
-    for key in keys:
-        boot = [a for m in out for a in m.dht_addrs()]
-        link = OuterLink.start(
-            run_id=run, stage=0, numel=N, initial_peers=boot, config=CFG, env=env,
-            identity=key.libp2p_private_key(),
-        )  # fmt: skip
-        links.append(link)
-        out.append(link)
-    theta0 = vec(0)
-    out[0].set_initial_state([theta0])
-    for link in out[1:]:
-        assert link.fetch_state(timeout=15) == 0 and link.digest == out[0].digest
     for i, link in enumerate(out):
-        told = members if listed and i < 2 else None
-        # a shared step plus one of its own: replicas' deltas point alike, as honest ones do
-        link.begin_round([theta0 - 0.01 * (vec(1) + vec(10 + i))], TOKENS[i], members=told)
+        begin(link, i, members if listed and i < 2 else None)
     results = [link.wait_result(60) for link in out[:2]]
     try:
         out[2].wait_result(60)
@@ -130,22 +142,10 @@ def test_a_group_of_every_listed_member_does_not_wait_out_the_window(
         state_timeout_s=10.0, target_group_size=8, diloco=CFG.diloco,
     )  # fmt: skip
     for attempt in range(3):
-        run = uuid.uuid4().hex[:8]
-        keys = [NodeKey.generate() for _ in range(2)]
-        pair: list[OuterLink] = []
-        for key in keys:
-            link = OuterLink.start(
-                run_id=run, stage=0, numel=N, initial_peers=[a for m in pair for a in m.dht_addrs()],
-                config=cfg, env=child_env, identity=key.libp2p_private_key(),
-            )  # fmt: skip
-            links.append(link)
-            pair.append(link)
-        theta0 = vec(0)
-        pair[0].set_initial_state([theta0])
-        assert pair[1].fetch_state(timeout=15) == 0
+        pair, keys = start_stage(links, child_env, 2, cfg)
         members = [k.peer_id for k in keys]
         for i, link in enumerate(pair):
-            link.begin_round([theta0 - 0.01 * (vec(1) + vec(10 + i))], TOKENS[i], members=members)
+            begin(link, i, members)
         ra, rb = (link.wait_result(3 * window) for link in pair)
         if ra.group_size == rb.group_size == 2:
             assert max(ra.seconds, rb.seconds) < window / 2, (ra, rb)
@@ -172,9 +172,8 @@ def test_a_replica_alone_on_its_stage_steps_at_once(
         identity=key.libp2p_private_key(),
     )  # fmt: skip
     links.append(link)
-    theta0 = vec(0)
-    link.set_initial_state([theta0])
-    link.begin_round([theta0 - 0.01 * vec(1)], TOKENS[0], members=[key.peer_id])
+    link.set_initial_state([vec(0)])
+    begin(link, 0, [key.peer_id])
     result = link.wait_result(3 * window)
     assert result.group_size == 1 and result.applied and result.round == 1, result
     assert result.seconds < window / 2, result

@@ -355,3 +355,21 @@ def test_request_to_a_frozen_or_dead_peer_fails_within_its_deadline(
         return trio.current_time() - start
 
     assert run_as(keys["honest"], dead) < 10.5
+
+
+def test_a_node_dials_only_the_peers_it_sends_to(keys: dict[str, NodeKey], server: Server) -> None:
+    """Knowing a member's address is not a reason to connect to it: py-libp2p's own
+    auto-connector would dial every peer in the peerstore (up to 50 connections) about
+    10 s after start, which in a swarm opens connections nobody asked for and makes a
+    no-listen node reach a stage-0 peer directly before that peer could reach it."""
+
+    async def go(t: Libp2pTransport) -> None:
+        t.add_peer_addrs(server.peer_id, server.addrs)
+        end = trio.current_time() + 15.0  # past py-libp2p's 10 s auto-connect poll
+        while trio.current_time() < end:
+            assert t.connection_stack(server.peer_id) == [], "dialled a peer it never asked"
+            await trio.sleep(0.25)
+        await echo(t, server, 1)  # and it still connects when it does send
+        assert t.connection_stack(server.peer_id) == [("/noise", "/yamux/1.0.0")]
+
+    run_as(keys["honest"], go)

@@ -180,6 +180,12 @@ class Libp2pTransport:
     async def run(self) -> AsyncIterator[Libp2pTransport]:
         listen = [multiaddr.Multiaddr(a) for a in self.cfg.listen]
         async with self._host.run(listen), self.relay.running(), trio.open_nursery() as nursery:
+            # py-libp2p's auto-connector dials peers from the peerstore until it holds 50
+            # connections. Every member's address lands there, so it would connect to peers
+            # nobody sends to (and a no-listen node would dial its previous stage before
+            # that stage reached it through the relay). A node dials only when it sends.
+            # `run` returns only after the swarm started it, so this stop holds.
+            await self._host.get_network().auto_connector.stop()
             self._nursery = nursery
             await self.relay.reserve_all(nursery)  # an error here cancels the nursery
             log.info("p2p: peer %s listening on %s", self.peer_id, self.listen_addrs or "nothing")
