@@ -21,9 +21,11 @@ it what happened. Its rules:
   never reported a result: the working copy still holds their training).
 - `round_result(facts)` applies the commit rule (below) to a round's result and says what
   may be committed now and which ranges went back to be trained again.
-- `state_replaced()`: the replica took another replica's state outside a round (its
-  outer loop moved to the run's DHT and downloaded the stage's state there, rebasing
-  its progress onto it); the held rounds' training is gone, so their windows go back.
+- `state_replaced(lineage)`: the replica took another replica's state outside a round
+  (its outer loop moved to the run's DHT and downloaded the stage's state there,
+  rebasing its progress onto it); held rounds whose state is not in the new state's
+  chain are gone from it, so their windows go back. Those in the chain stay held (the
+  other replica had fetched a state that held them): their training is there.
 - `accept(range)` records a commit the coordinator took; a lease whose range is all
   committed is forgotten. Commits are monotonic per lease.
 - `fence(lease_id)` forgets a lease the coordinator fenced: its untaken windows are
@@ -304,12 +306,16 @@ class LeasePool:
         """Contributed rounds whose commits wait for the stage to agree on their state."""
         return len(self._held)
 
-    def state_replaced(self) -> list[CommitRange]:
-        """The global state was replaced by another replica's outside a round (a rebase:
-        the working copy keeps what it trained since its last round, which rides in the
-        next round): every held round's training is gone from it, so their windows go
-        back; returns them, as ranges."""
-        back, self._held = set(self._held), {}
+    def state_replaced(self, lineage: tuple[Link, ...]) -> list[CommitRange]:
+        """The global state was replaced by another replica's, whose chain is `lineage`,
+        outside a round (a rebase: the working copy keeps what it trained since its last
+        round, which rides in the next round): a held round whose state is not in that
+        chain is gone from it, so its windows go back; returns them, as ranges. The same
+        rule as an adopted state in `round_result`."""
+        ancestors = set(lineage)
+        back = {gen for gen, link in self._held.items() if link not in ancestors}
+        for gen in back:
+            del self._held[gen]
         return self._resolve(back, keep=False)
 
     def _resolve(self, gens: set[int], *, keep: bool) -> list[CommitRange]:

@@ -17,8 +17,8 @@ At most `MAX_DHT_MOVES` moves in any `MOVE_WINDOW_S`, so a root that flaps (dead
 yet lapsed, or restarting) cannot make a node restart forever. Training goes on during a
 move and its progress is kept (`capture`, then a rebase onto the state found there). A
 move that took another replica's state replaced this replica's lineage: `on_replaced`
-runs, so stage 0's lease pool hands back the ranges its held lone rounds carried
-(`LeasePool.state_replaced`). Every state the loop loads reaches `on_state` as a
+runs with the new state's chain, so stage 0's lease pool hands back the ranges of the
+held lone rounds that chain does not hold (`LeasePool.state_replaced`). Every state the loop loads reaches `on_state` as a
 `GlobalState` value with None, and every round's result with its `RoundFacts` (the
 state may be unchanged: `facts.applied`); nothing outside this module touches the
 `OuterLink`.
@@ -45,6 +45,7 @@ from node.peer_view import PeerView
 from node.stage_compute import StageCompute
 from node.worker import TorchWorker
 from protocol.control import RunInfo
+from protocol.lineage import Link
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ LONE_ROUNDS_TO_MOVE = 2
 POLL_S = 0.2  # seconds between ticks
 
 OnState = Callable[[GlobalState, RoundFacts | None], Awaitable[None]]
-OnReplaced = Callable[[], Awaitable[None]]
+OnReplaced = Callable[[tuple[Link, ...]], Awaitable[None]]  # the new state's chain
 
 
 class OuterLoop:
@@ -190,7 +191,7 @@ class OuterLoop:
         self.state = state
         await self._on_state(state, None)
         if carry is not None and rounds.loaded_from_replica and self._on_replaced is not None:
-            await self._on_replaced()  # the carried lineage (and what it held) is gone
+            await self._on_replaced(state.lineage)  # the carried lineage may be gone
         # Only a loaded outer process is visible to rounds and drains: the link runs one
         # operation at a time.
         self.rounds = rounds

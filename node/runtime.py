@@ -52,6 +52,7 @@ from node.worker import TorchWorker
 from protocol.control import HeartbeatReply, JoinReply, JoinRequest
 from protocol.corpus import VOCAB_SIZE, token_width
 from protocol.errors import ProtocolError
+from protocol.lineage import Link
 from protocol.pipeline import FORWARD_PROTOCOL
 from protocol.state import STATE_PROTOCOL
 
@@ -271,10 +272,11 @@ class Node:
         ref = self.client.attested
         return (ref.round, ref.digest) if ref is not None else None
 
-    async def _on_state_replaced(self) -> None:
-        """The outer loop moved and took another replica's state: the ranges that this
-        replica's held lone rounds carried are gone from it and are trained again."""
-        returned = self.pool.state_replaced()
+    async def _on_state_replaced(self, lineage: tuple[Link, ...]) -> None:
+        """The outer loop moved and took another replica's state (chain `lineage`): the
+        ranges that this replica's held lone rounds carried, unless that state descends
+        from them, are gone from it and are trained again."""
+        returned = self.pool.state_replaced(lineage)
         if self.driver is not None:
             self.driver.ranges_returned(returned, "left with the replaced state")
 

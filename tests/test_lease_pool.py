@@ -254,6 +254,24 @@ def test_a_lone_round_stays_held_when_the_adopted_state_descends_from_it() -> No
     assert spans(verdict.commits) == [(0, 16)] and verdict.held == 1
 
 
+def test_a_state_taken_outside_a_round_keeps_the_held_rounds_its_chain_holds() -> None:
+    """A move to the run's DHT took another replica's state: a held lone round whose
+    state that chain holds (the other replica had fetched it, or stepped from it) is still
+    in the state and stays held; one it does not hold goes back to be trained again."""
+    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
+    pool.open(lease(1, limit=24), SHARD)
+    w = pool.take(6)
+    pool.finish(w[:2], final=False)
+    assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1")))).held == 1
+    pool.finish(w[2:4], final=False)
+    assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1"), (2, "a2")))).held == 2
+    # the state taken descends from a1 (fetched from this replica then) but not from a2
+    returned = pool.state_replaced((S0, (1, "a1"), (2, "c2")))
+    assert spans(returned) == [(8, 16)] and pool.held == 1
+    assert sorted(x.start for x in pool.take(10)) == [8, 12]  # trained again, oldest first
+    assert pool.state_replaced((S0, (1, "b1"))) and pool.held == 0  # another lineage: all back
+
+
 def test_rounds_commit_at_once_on_a_stage_with_one_replica() -> None:
     pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
     pool.open(lease(1, limit=16), SHARD)
@@ -365,6 +383,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.round = 0  # rounds begun: windows trained now ride in round `self.round`
         self.results: dict[int, RoundFacts] = {}
         self.chain: tuple[Link, ...] = ((0, "00"),)  # the state held, last
+        # states taken outside a round: rounds begun before it -> the chain taken
+        self.replaced: dict[int, list[tuple[Link, ...]]] = {}
 
     @rule(committed=st.integers(0, 6), length=st.integers(1, 10))
     def open(self, committed: int, length: int) -> None:
@@ -406,14 +426,16 @@ class PoolMachine(RuleBasedStateMachine):
         made = (first.round, first.digest)
         for r in range(gen, self.round):
             f = self.results.get(r)
-            if f is None:
-                continue
-            if made not in f.lineage:
-                return False  # an adopted state does not descend from round gen's
-            if f.applied and f.sole:
-                return True
-            if f.agreed in f.lineage and made in f.lineage[: f.lineage.index(f.agreed) + 1]:
-                return True
+            if f is not None:
+                if made not in f.lineage:
+                    return False  # an adopted state does not descend from round gen's
+                if f.applied and f.sole:
+                    return True
+                agreed = f.agreed
+                if agreed in f.lineage and made in f.lineage[: f.lineage.index(agreed) + 1]:
+                    return True
+            if any(made not in chain for chain in self.replaced.get(r + 1, [])):
+                return False  # a state taken after round r does not hold it
         return False
 
     @rule(
@@ -456,6 +478,22 @@ class PoolMachine(RuleBasedStateMachine):
                 assert not self.reached(self.trained[lid][s]), (lid, s, rng)
                 del self.trained[lid][s]
                 self.handed.discard((lid, s))  # it may be handed out again
+
+    @rule(keep=st.integers(0, 5))
+    def take_state(self, keep: int) -> None:
+        """The outer loop moved and took another replica's state outside a round: one
+        that descends from the chain held less its newest `keep` states, or (past the
+        chain's length) one of another lineage."""
+        n = sum(len(c) for c in self.replaced.values())
+        base = self.chain[: len(self.chain) - keep] if keep < len(self.chain) else ((0, "dd"),)
+        self.chain = (*base, (base[-1][0] + 1, f"c{n:x}"))
+        self.replaced.setdefault(self.round, []).append(self.chain)
+        for rng in self.pool.state_replaced(self.chain):
+            lid = rng.lease.lease_id
+            for s in range(rng.start, rng.end, SEQ):
+                assert not self.reached(self.trained[lid][s]), (lid, s, rng)
+                del self.trained[lid][s]
+                self.handed.discard((lid, s))
 
     @rule()
     def commit(self) -> None:

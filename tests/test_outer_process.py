@@ -30,6 +30,7 @@ from node.routing import Router
 from node.worker import TorchWorker
 from protocol.control import LeaseInfo, PeerInfo, RunInfo
 from protocol.identity import NodeKey
+from protocol.lineage import Link
 
 DECLARE_STATE_PERIOD_S = 5.0  # node.outer.process: the averager's declare_state_period (s)
 
@@ -367,8 +368,8 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
         if facts is not None:
             verdicts.append((facts, pool.round_result(facts)))
 
-    async def on_replaced_b() -> None:
-        returned.extend(pool.state_replaced())
+    async def on_replaced_b(lineage: tuple[Link, ...]) -> None:
+        returned.extend(pool.state_replaced(lineage))
 
     async def on_state_a(_state: GlobalState, _facts: RoundFacts | None) -> None:
         pass
