@@ -52,6 +52,9 @@ class EarlyStop:
     def install(self) -> None:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
+        # A launcher may start the node with them blocked (`swarmlab.procs.spawn`), so that
+        # one sent during the interpreter's start and the imports above waits: it lands here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self.signame is not None:

@@ -1,7 +1,8 @@
 """Child processes on one machine: how they are started, found and waited for.
 
 `child_env` is the environment every child gets (one torch thread, this checkout on the
-path), `spawn` starts `python ARGS` with its output in a log file, `Proc` is the handle,
+path), `spawn` starts `python ARGS` with its output in a log file (optionally with its stop
+signals held until the child handles them), `Proc` is the handle,
 `free_port` asks the OS for a port and `wait_for` polls with a deadline. No torch, trio
 or node imports: the coordinator tests and `agora audit` use these on a lean install.
 """
@@ -9,11 +10,13 @@ or node imports: the coordinator tests and `agora audit` use these on a lean ins
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -97,15 +100,33 @@ class Proc:
         return "\n".join(self.output().splitlines()[-lines:])
 
 
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+@contextmanager
+def _blocked(signals: frozenset[signal.Signals]) -> Iterator[None]:
+    """Block `signals` in this thread meanwhile (a child started now inherits the mask)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def spawn(
     log: Path,
     args: list[str],
     *,
     cwd: Path,
     env: dict[str, str] | None = None,
+    hold_stop_signals: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """Start `python ARGS` in `cwd`, appending its output to `log`."""
-    with log.open("ab") as fh:
+    """Start `python ARGS` in `cwd`, appending its output to `log`. With
+    `hold_stop_signals` the child starts with SIGINT and SIGTERM blocked: one sent before
+    its own handler is up (while the interpreter starts or imports) stays pending instead
+    of killing it, and is delivered when the child unblocks them (`agora-node` does once
+    its stop handler is installed; a child that never does cannot be stopped by them)."""
+    with log.open("ab") as fh, _blocked(STOP_SIGNALS if hold_stop_signals else frozenset()):
         return subprocess.Popen(
             [sys.executable, *args],
             stdout=fh,

@@ -114,7 +114,9 @@ class LocalSwarm:
             *self.node_args, *extra,
         ]  # fmt: skip
         log = self.workdir / f"{name}.log"
-        proc = Proc(name, spawn(log, args, cwd=self.workdir), log, metrics_port, stage)
+        # held: a stop sent while it starts (a drain right after a join) is kept, not fatal
+        popen = spawn(log, args, cwd=self.workdir, hold_stop_signals=True)
+        proc = Proc(name, popen, log, metrics_port, stage)
         self.nodes[name] = proc
         return proc
 

@@ -1,4 +1,5 @@
-"""The leader search of a replica waiting for its group reads the DHT at a bounded rate.
+"""The leader search of a replica waiting for its group reads the DHT at a bounded rate,
+and offers only leaders the replica admits (the stage's listed members).
 
 hivemind's own `PotentialLeaders.pop_next_leader`, with nobody else looking for a group,
 asks for a fresh read of the group key each time it looks, and `_update_queue_periodically`
@@ -51,6 +52,51 @@ async def reads(cls):
 print(json.dumps({"hivemind": asyncio.run(reads(PotentialLeaders)),
                   "paced": asyncio.run(reads(PacedLeaders)), "gap": MIN_READ_GAP_S}))
 """
+
+
+FOLLOW_SCRIPT = """
+import asyncio, json
+from hivemind.p2p import PeerID
+from hivemind.averaging.matchmaking import PotentialLeaders
+from hivemind.utils import get_dht_time
+from node.outer.paced_leaders import PacedLeaders
+
+STRANGER, MEMBER = PeerID(b"stranger"), PeerID(b"member")
+
+class TwoLeaders:
+    current_key = "agora-run-stage0.0b"
+    async def get_averagers(self, group_key, only_active):
+        await asyncio.sleep(0)
+        now = get_dht_time()
+        return [(STRANGER, now + 5.0), (MEMBER, now + 6.0)]  # the stranger searched first
+
+async def first_leader(leaders):
+    leaders.search_end_time = get_dht_time() + 10.0
+    leaders.running.set()
+    updates = asyncio.create_task(leaders._update_queue_periodically(TwoLeaders()))
+    try:
+        return (await asyncio.wait_for(leaders.pop_next_leader(), 5.0)).to_bytes().decode()
+    finally:
+        updates.cancel()
+
+print(json.dumps({
+    "hivemind": asyncio.run(first_leader(PotentialLeaders(PeerID(b"me"), 1.0, None))),
+    "members_only": asyncio.run(first_leader(
+        PacedLeaders(PeerID(b"me"), 1.0, None, admits=lambda p: p == MEMBER))),
+}))
+"""
+
+
+def test_a_replica_asks_to_join_only_leaders_it_admits() -> None:
+    """Two averagers declared under the group key, a stranger that started searching
+    first and a member: hivemind's search asks the stranger first; with the stage's
+    members given, the search never offers the stranger and asks the member."""
+    out = subprocess.run(
+        [sys.executable, "-c", FOLLOW_SCRIPT],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    first = json.loads(out.stdout.strip().splitlines()[-1])
+    assert first == {"hivemind": "stranger", "members_only": "member"}, first
 
 
 def test_a_waiting_replica_reads_the_group_key_at_most_once_per_gap() -> None:

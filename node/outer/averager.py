@@ -147,7 +147,8 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """hivemind's matchmaking, for members of the stage only: a peer the coordinator
-        does not list on it is refused before it can join a group we lead."""
+        does not list on it is refused before it can join a group we lead (and we do not
+        ask to join a group it leads: `node.outer.paced_leaders`)."""
         if not self._admits(context.remote_id):
             if context.remote_id not in self._refused:  # once per peer: it retries often
                 self._refused.add(context.remote_id)
@@ -255,7 +256,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         addresses its DHT listens on, for replicas that download state from it.
         hivemind starts this task right after it builds its matchmaking, before the first
         round: the matchmaking's leader search is paced here (`node.outer.paced_leaders`)."""
-        pace(self._matchmaking)
+        pace(self._matchmaking, admits=self._admits)
         addrs = asyncio.create_task(self._declare_addrs_periodically())
         try:
             await super()._declare_for_download_periodically()

@@ -13,12 +13,22 @@ of the box away from training for its matchmaking seconds (docs/outer-averaging.
 `PacedLeaders` leaves hivemind's search as it is and spaces its reads of the group key
 at least `MIN_READ_GAP_S` apart: a follower sees a new leader at most that much later,
 which a matchmaking window of seconds absorbs.
+
+It also drops, from what it reads, every averager this replica does not admit (`admits`:
+the stage's members as the coordinator listed them when the round began). Refusing a
+stranger's join request (`StageAverager.rpc_join_group`) covers groups this replica leads;
+this covers groups it would follow. Without it, a replica asked to join a group led by a
+peer its list does not hold yet (a replica that joined the stage just after this round
+began), found the stranger in the assembled group and stepped alone, while the leader
+pushed parts to it until its timeouts: in a churn run the joiner's first round took
+27.5 s and the next round of the replica it chose found no group either.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hivemind.averaging.matchmaking import PotentialLeaders
@@ -26,11 +36,17 @@ from hivemind.averaging.matchmaking import PotentialLeaders
 MIN_READ_GAP_S = 0.25  # seconds between two reads of the group key by one replica
 
 
-class _PacedKeys:
-    """A `GroupKeyManager` whose `get_averagers` waits out `gap` since its last call."""
+def _admit_anyone(_peer: Any) -> bool:
+    return True
 
-    def __init__(self, keys: Any, gap: float) -> None:
+
+class _PacedKeys:
+    """A `GroupKeyManager` whose `get_averagers` waits out `gap` since its last call and
+    returns only the averagers `admits` takes."""
+
+    def __init__(self, keys: Any, gap: float, admits: Callable[[Any], bool]) -> None:
         self._keys, self._gap, self._last = keys, gap, float("-inf")
+        self._admits = admits
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._keys, name)
@@ -40,22 +56,29 @@ class _PacedKeys:
         if wait > 0:
             await asyncio.sleep(wait)
         self._last = time.monotonic()
-        return await self._keys.get_averagers(*args, **kwargs)
+        found = await self._keys.get_averagers(*args, **kwargs)
+        return [(peer, expiration) for peer, expiration in found if self._admits(peer)]
 
 
 class PacedLeaders(PotentialLeaders):  # type: ignore[misc]
-    """hivemind's `PotentialLeaders`, its group-key reads at most one per `gap` seconds."""
+    """hivemind's `PotentialLeaders`, its group-key reads at most one per `gap` seconds,
+    and only leaders that `admits` takes (hivemind `PeerID` -> bool) in its queue."""
 
     gap = MIN_READ_GAP_S
 
+    def __init__(self, *args: Any, admits: Callable[[Any], bool] = _admit_anyone) -> None:
+        super().__init__(*args)
+        self.admits = admits
+
     async def _update_queue_periodically(self, key_manager: Any) -> None:
-        await super()._update_queue_periodically(_PacedKeys(key_manager, self.gap))
+        await super()._update_queue_periodically(_PacedKeys(key_manager, self.gap, self.admits))
 
 
-def pace(matchmaking: Any) -> None:
+def pace(matchmaking: Any, admits: Callable[[Any], bool] = _admit_anyone) -> None:
     """Give a hivemind `Matchmaking` a `PacedLeaders` in place of its own (before any
-    search has begun: the new one starts empty, as the old one was)."""
+    search has begun: the new one starts empty, as the old one was), following only
+    leaders that `admits` takes."""
     old = matchmaking.potential_leaders
     matchmaking.potential_leaders = PacedLeaders(
-        old.peer_id, old.min_matchmaking_time, old.target_group_size
+        old.peer_id, old.min_matchmaking_time, old.target_group_size, admits=admits
     )
