@@ -270,9 +270,7 @@ class LeasePool:
         self._unresolved = None
         back: set[int] = set()
         if facts.adopted:  # held rounds that are not ancestors of the new state are gone
-            ancestors = set(facts.lineage)
-            gone = {gen for gen, link in self._held.items() if link not in ancestors}
-            for gen in gone:
+            for gen in self._held_outside(facts.lineage):
                 if facts.carried and facts.contributed:  # they rode in this round instead
                     self._held[gen] = (facts.round, facts.digest)
                 else:
@@ -312,11 +310,15 @@ class LeasePool:
         round, which rides in the next round): a held round whose state is not in that
         chain is gone from it, so its windows go back; returns them, as ranges. The same
         rule as an adopted state in `round_result`."""
-        ancestors = set(lineage)
-        back = {gen for gen, link in self._held.items() if link not in ancestors}
+        back = self._held_outside(lineage)
         for gen in back:
             del self._held[gen]
         return self._resolve(back, keep=False)
+
+    def _held_outside(self, lineage: tuple[Link, ...]) -> set[int]:
+        """Held rounds whose state is not in `lineage`: their training is not in it."""
+        ancestors = set(lineage)
+        return {gen for gen, link in self._held.items() if link not in ancestors}
 
     def _resolve(self, gens: set[int], *, keep: bool) -> list[CommitRange]:
         """The trained windows of rounds `gens` become committable (`keep`), or go back to

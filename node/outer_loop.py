@@ -18,10 +18,10 @@ yet lapsed, or restarting) cannot make a node restart forever. Training goes on 
 move and its progress is kept (`capture`, then a rebase onto the state found there). A
 move that took another replica's state replaced this replica's lineage: `on_replaced`
 runs with the new state's chain, so stage 0's lease pool hands back the ranges of the
-held lone rounds that chain does not hold (`LeasePool.state_replaced`). Every state the loop loads reaches `on_state` as a
-`GlobalState` value with None, and every round's result with its `RoundFacts` (the
-state may be unchanged: `facts.applied`); nothing outside this module touches the
-`OuterLink`.
+held lone rounds that chain does not hold (`LeasePool.state_replaced`). Every state the
+loop loads reaches `on_state` as a `GlobalState` value with None, and every round's
+result with its `RoundFacts` (the state may be unchanged: `facts.applied`); nothing
+outside this module touches the `OuterLink`.
 """
 
 from __future__ import annotations
