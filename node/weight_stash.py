@@ -61,6 +61,11 @@ class WeightStash:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | _Saved:
+        # Detached: a node that saves its own output would otherwise hold that tensor,
+        # whose grad_fn is the node, a cycle through autograd that Python's collector
+        # does not see. Backward frees it; a graph let go without one (stale after an
+        # outer merge) stayed, with all its activations. Backward reads only the values.
+        t = t.detach()
         if t.layout != torch.strided or t.untyped_storage().data_ptr() not in self._storages:
             self.saved_bytes += t.numel() * t.element_size()
             return t
