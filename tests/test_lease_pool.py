@@ -214,7 +214,9 @@ def test_a_lone_round_then_an_adopted_state_gives_the_lone_rounds_ranges_back() 
     assert spans(verdict.commits) == [(0, 16)] and verdict.rode_in == (3, "b3")
 
 
-def test_lone_rounds_carried_into_a_group_round_stay_held_under_its_state() -> None:
+def two_lone_rounds() -> tuple[LeasePool, list[Window]]:
+    """A pool of one 24-token lease whose first two rounds (windows 0..8, then 8..16) each
+    stepped alone (states a1, then a2), held; windows 16..24 taken, not yet finished."""
     pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
     pool.open(lease(1, limit=24), SHARD)
     w = pool.take(6)
@@ -222,6 +224,11 @@ def test_lone_rounds_carried_into_a_group_round_stay_held_under_its_state() -> N
     assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1")))).held == 1
     pool.finish(w[2:4], final=False)
     assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1"), (2, "a2")))).held == 2
+    return pool, w
+
+
+def test_lone_rounds_carried_into_a_group_round_stay_held_under_its_state() -> None:
+    pool, w = two_lone_rounds()
     pool.finish(w[4:], final=False)
     # the group stepped S0, the state the lone rounds left, with this replica's whole
     # progress from it: nothing goes back, and all three rounds wait under the new state
@@ -258,13 +265,7 @@ def test_a_state_taken_outside_a_round_keeps_the_held_rounds_its_chain_holds() -
     """A move to the run's DHT took another replica's state: a held lone round whose
     state that chain holds (the other replica had fetched it, or stepped from it) is still
     in the state and stays held; one it does not hold goes back to be trained again."""
-    pool = LeasePool(seq_len=SEQ, max_open=2, shard_cache=4)
-    pool.open(lease(1, limit=24), SHARD)
-    w = pool.take(6)
-    pool.finish(w[:2], final=False)
-    assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1")))).held == 1
-    pool.finish(w[2:4], final=False)
-    assert pool.round_result(facts(pool.snapshot(), chain=(S0, (1, "a1"), (2, "a2")))).held == 2
+    pool, _ = two_lone_rounds()
     # the state taken descends from a1 (fetched from this replica then) but not from a2
     returned = pool.state_replaced((S0, (1, "a1"), (2, "c2")))
     assert spans(returned) == [(8, 16)] and pool.held == 1
