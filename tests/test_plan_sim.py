@@ -282,3 +282,13 @@ def test_the_contention_fit_finds_the_contention_that_slowed_the_4x1_swarm(
     measured = tps(contention)
     assert fit_contention(four, measured, base, **window) == pytest.approx(contention, abs=0.05)
     assert tps(0.4) < 0.9 * tps(0.0)  # four processes on two cores: the model bites
+
+
+def test_a_round_comes_one_step_early_as_the_nodes_tick_does() -> None:
+    """A due round begins at the node's next outer tick, and its snapshot waits for the
+    micro-batch the worker took up meanwhile: stepping it counts as the next round's
+    first step, so a round every 5 steps of 4,096 tokens carries 4 x 4,096 + 1,024."""
+    f = fleet(count=2, outer=5)
+    r = run(f, [0, 1], seconds=300.0)
+    tokens_per_round = r["round_s"] * r["tokens_per_s"]
+    assert tokens_per_round == pytest.approx(4 * 4096 + 8 * 128, rel=0.05)

@@ -27,6 +27,7 @@ class SimPeer:
     pending_tokens: int = 0
     steps: int = 0  # inner steps since the last round began
     in_round: bool = False
+    begin_due: bool = False  # a round is due and begins at the next outer tick
     round_times: list[float] = field(default_factory=list)
     leases: dict[int, LeaseState] = field(default_factory=dict)  # stage 0 only
 

@@ -56,6 +56,7 @@ MAX_LEASES = 64  # active leases one peer may hold (coordinator default)
 SHARD_TOKENS = DEFAULT_SHARD_TOKENS  # tokens per shard (coordinator default)
 RETRY_WAIT_S = 0.5  # back-off when no replica of the next stage is usable (s)
 PEEK_S = 1.0  # how often a replica looks for a group forming (s)
+TICK_S = 0.2  # the node's outer-loop tick (node.outer_loop.POLL_S): a due round begins then (s)
 MBIT = 1e6
 
 
@@ -225,8 +226,8 @@ class SwarmSim:
         open_ = [ls for ls in p.leases.values() if ls.next < ls.limit]
         if not open_ and len(p.leases) >= MAX_LEASES and not p.in_round:
             # out of leases while trained work waits for a round: the node asks for one
-            # now (node.stage0_driver, request_early_round)
-            self._begin_round(p)
+            # at its next tick (node.stage0_driver, request_early_round)
+            self._begin_at_tick(p)
         # A micro-batch is cut from one simulated lease, where the node draws its windows
         # across the leases it holds (node.lease_pool): a grant of at least a micro-batch
         # stands in for that, or a micro-batch larger than a grant would carry a fraction
@@ -395,20 +396,39 @@ class SwarmSim:
         p.worker.submit(p.profile.stages[p.stage].step_s, lambda: None, URGENT)
         p.steps += 1
         h = self.node.outer_every_steps
-        if h and not p.in_round and p.steps >= h:
-            self._begin_round(p)
+        if h and p.steps >= h:
+            self._begin_at_tick(p)
+
+    def _begin_at_tick(self, p: SimPeer) -> None:
+        """A due round begins at the node's next outer tick, not with the inner step that
+        made it due: by then the worker has taken up its next job, so the snapshot below
+        waits for it (node.outer_rounds, `_tick`)."""
+        if p.in_round or p.begin_due:
+            return
+        p.begin_due = True
+        self.eng.after(self.rng.uniform(0.0, TICK_S), partial(self._begin_round, p))
 
     def _begin_round(self, p: SimPeer) -> None:
-        """The snapshot: an inner step over the gradients accumulated so far, which (as in
-        node.outer_rounds) counts towards the next round's steps."""
+        """The snapshot: an inner step over the gradients accumulated so far, queued behind
+        the worker's running job; as in node.outer_rounds, it counts towards the next
+        round's steps when it steps anything (usually the micro-batch that job trained,
+        so a round every `outer_every_steps` comes after that many steps less one, plus a
+        micro-batch)."""
+        p.begin_due = False
+        if not p.alive or p.in_round:
+            return
         p.in_round = True
-        p.steps = 1 if p.pending_tokens else 0
-        p.pending_tokens = 0
-        if p.stage == 0:
-            for ls in p.leases.values():
-                ls.mark = ls.prefix
         c = p.profile.stages[p.stage]
-        p.worker.submit(c.step_s, lambda: self._look_for_group(p), URGENT)
+
+        def snapshot() -> None:
+            p.steps = 1 if p.pending_tokens else 0
+            p.pending_tokens = 0
+            if p.stage == 0:
+                for ls in p.leases.values():
+                    ls.mark = ls.prefix
+            self._look_for_group(p)
+
+        p.worker.submit(c.step_s, snapshot, URGENT)
 
     def _look_for_group(self, p: SimPeer) -> None:
         if not p.alive:
@@ -484,7 +504,7 @@ class SwarmSim:
             if p.stage == 0:
                 self._commit(p)
             if p.steps >= self.node.outer_every_steps:
-                self._begin_round(p)
+                self._begin_at_tick(p)
 
         p.worker.submit(c.step_s, merged, URGENT)
 
