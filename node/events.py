@@ -7,8 +7,11 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
 - `joined`: `peer_id`, `stage`, `n_stages`, `run_id`
 - `forward_failed`: `mb_id`, `peer`, `error`, `kind` (unreachable, timeout, refused,
   bad_reply), `seconds` (the attempt's duration): a micro-batch attempt through `peer` failed
-- `forward_rerouted`: `mb_id`, `peer`, `failures`, `seconds` (from its first failure): a
-  micro-batch that failed before completed through `peer` (stage 0)
+- `forward_rerouted`: `mb_id`, `peer`, `failures`, `seconds` (from its first failure),
+  `attempt_s` (the attempt that got through, from its send to the reply): a micro-batch
+  that failed before completed through `peer` (stage 0)
+- `retry_served`: `mb_id`, `queued_s` (from its arrival until its forward began),
+  `held_s` (from its arrival until the reply): this stage served a retried forward
 - `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
 - `round_begun`: `tokens` (what this replica's contribution claims: the tokens trained
   since its last round began), `joining` (begun early, to join a forming group)
@@ -48,6 +51,7 @@ EVENT_NAMES = frozenset(
         "joined",
         "forward_failed",
         "forward_rerouted",
+        "retry_served",
         "lease_committed",
         "round_begun",
         "round_applied",

@@ -60,6 +60,11 @@ MB_SECONDS = Histogram(
     "Round trip of a micro-batch through the downstream stages",
     buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
 )
+SERVE_SECONDS = Histogram(
+    "agora_node_serve_seconds",
+    "Time a served forward took, from its arrival to its reply (downstream stages included)",
+    buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
+)
 HEARTBEAT_SECONDS = Histogram(
     "agora_node_heartbeat_seconds",
     "Coordinator heartbeat round trip",

@@ -261,9 +261,11 @@ class PipelineHop:
             peer = self.pick_next(tried)  # after the forward: the newest view of the peers
             if peer is not None:
                 retried = failures > 0
+                sent = trio.current_time()
                 reply = await self.send_forward(
                     peer, mb_id, tokens, hidden, [self.transport.peer_id], retry=retried
                 )
+                replied = trio.current_time()
                 ok = (
                     reply is not None
                     and (await self._backward(peer, mb_id, rows, None, reply, retried=retried))[0]
@@ -276,6 +278,7 @@ class PipelineHop:
                         self.events.emit(
                             "forward_rerouted", mb_id=mb_id, peer=peer, failures=failures,
                             seconds=round(trio.current_time() - first_failure, 4),
+                            attempt_s=round(replied - sent, 4),
                         )  # fmt: skip
                     return reply.loss
                 metrics.MICROBATCHES.labels("retried").inc()
@@ -293,6 +296,20 @@ class PipelineHop:
     # --- the serving side (stages > 0) ---------------------------------------------------
 
     async def serve_forward(self, peer_id: str, msg: Message) -> Message:
+        """A forward from stage - 1, answered with its backward (or refused)."""
+        t0 = trio.current_time()
+        began: list[float] = []  # when its forward took the worker
+        reply = await self._serve_forward(peer_id, msg, began)
+        held = trio.current_time() - t0
+        metrics.SERVE_SECONDS.observe(held)
+        if isinstance(msg, Forward) and msg.retry and began:
+            self.events.emit(
+                "retry_served", mb_id=msg.mb_id, queued_s=round(began[0] - t0, 4),
+                held_s=round(held, 4),
+            )  # fmt: skip
+        return reply
+
+    async def _serve_forward(self, peer_id: str, msg: Message, began: list[float]) -> Message:
         if not isinstance(msg, Forward):
             raise ProtocolError(f"expected a forward message, got {type(msg).__name__}")
         with trio.move_on_after(max(0.0, msg.deadline - time.time())):
@@ -316,6 +333,7 @@ class PipelineHop:
         first = RETRIED if msg.retry else FRESH
         if compute.is_last:
             async with self.gate.turn(first):
+                began.append(trio.current_time())
                 grad, loss = await self.worker.run(compute.forward, key, rows, msg.hidden)  # type: ignore[misc]
             assert grad is not None
             self._account(rows)
@@ -323,6 +341,7 @@ class PipelineHop:
                 self.witness(peer_id, _tokens(rows))
             return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=_tokens(rows))
         async with self.gate.turn(first):
+            began.append(trio.current_time())
             hidden = await self.worker.run(compute.forward, key, rows, msg.hidden)
         assert isinstance(hidden, EncodedTensor)
         route = [*msg.route, self.transport.peer_id]

@@ -21,6 +21,7 @@ import pytest
 import torch
 import trio
 import trio.testing
+from prometheus_client import REGISTRY
 
 from node import pipeline_hop
 from node.events import EventLog, read_events
@@ -40,13 +41,15 @@ from protocol.tensors import EncodedTensor, TensorFrame
 
 SEQ = 32
 MICRO_BATCH = 4  # sequences per micro-batch in these swarms
+SERVED, ROUND_TRIP = "agora_node_serve_seconds", "agora_node_microbatch_seconds"
 INNER = InnerConfig(lr=1e-3, warmup_steps=1, weight_decay=0.0, inner_batch_tokens=10**9,
                     cache_size=8)  # fmt: skip
 
 
 class Swarm:
     """Peers on one in-process network: `layout` is (name, stage) per peer, in the
-    membership view's order."""
+    membership view's order; stage 0 writes its events to `events`, the serving stages
+    to `events` with the suffix `.served.jsonl`."""
 
     def __init__(self, layout: list[tuple[str, int]], faults: FaultPlan, events: Path) -> None:
         self.ids = {name: NodeKey.generate().peer_id for name, _ in layout}
@@ -68,7 +71,7 @@ class Swarm:
             self.workers.append(worker)
             hop = PipelineHop(
                 transport, view, worker, request_timeout_s=5.0, max_rows=MICRO_BATCH,
-                events=EventLog(events if stage == 0 else None),
+                events=EventLog(events if stage == 0 else events.with_suffix(".served.jsonl")),
             )  # fmt: skip
             hop.stage_built(StageCompute(cfg, stage, n_stages, "subspace_int4", INNER))
             transport.set_handler(FORWARD_PROTOCOL, hop.serve_forward)
@@ -143,6 +146,11 @@ def test_a_dead_replica_gets_no_micro_batch_after_its_first_transport_failure(
         [rerouted] = read_events(tmp_path / "events.jsonl", "forward_rerouted")
         assert rerouted["mb_id"] == "1.1.0" and rerouted["peer"] == s.ids["b"]
         assert rerouted["failures"] == 1
+        # the retried forward, timed where it was served and where it was sent
+        [served] = read_events(tmp_path / "events.served.jsonl", "retry_served")
+        assert served["mb_id"] == "1.1.0"
+        assert 0 <= served["queued_s"] <= served["held_s"] <= rerouted["attempt_s"]
+        assert rerouted["attempt_s"] <= rerouted["seconds"]
 
 
 def test_the_worker_gate_orders_jobs_and_survives_a_cancelled_waiter() -> None:
@@ -221,6 +229,27 @@ def test_a_middle_stage_reroutes_around_a_failed_last_stage_replica(tmp_path: Pa
         assert loss is not None and math.isfinite(loss)  # the first attempt got through
         assert s.served("m") == 1 and s.served("a") == 0 and s.served("b") == 1
         assert s.hops["m"].router.peers[s.ids["a"]].banned_until > 0
+
+
+def _seconds(name: str) -> tuple[float, float]:
+    """(count, sum) of a node histogram in this process."""
+    count, total = (REGISTRY.get_sample_value(f"{name}_{x}") or 0.0 for x in ("count", "sum"))
+    return count, total
+
+
+def test_each_serving_stage_times_what_it_held_within_its_callers_round_trip(
+    tmp_path: Path,
+) -> None:
+    layout = [("s0", 0), ("m", 1), ("last", 2)]
+    with swarm(layout, FaultPlan(), tmp_path / "events.jsonl") as s:
+        served0, rtt0 = _seconds(SERVED), _seconds(ROUND_TRIP)
+        loss = trio.run(s.hops["s0"].run_microbatch, "3.1.0", rows(), lambda f: f > 0)
+        assert loss is not None
+        served1, rtt1 = _seconds(SERVED), _seconds(ROUND_TRIP)
+    # stages 1 and 2 each held the micro-batch once, stages 0 and 1 each waited for it;
+    # each caller's round trip holds its callee's serving time
+    assert served1[0] - served0[0] == 2 and rtt1[0] - rtt0[0] == 2
+    assert 0 < served1[1] - served0[1] <= rtt1[1] - rtt0[1]
 
 
 def test_serving_refuses_non_members_and_bans_bad_shapes(tmp_path: Path) -> None:

@@ -292,3 +292,25 @@ def test_a_round_comes_one_step_early_as_the_nodes_tick_does() -> None:
     r = run(f, [0, 1], seconds=300.0)
     tokens_per_round = r["round_s"] * r["tokens_per_s"]
     assert tokens_per_round == pytest.approx(4 * 4096 + 8 * 128, rel=0.05)
+
+
+def test_a_hops_message_wait_is_half_its_round_trip_less_what_its_server_held() -> None:
+    from swarmlab.plan.measure import hop_waits
+
+    def hist(rtt: tuple[float, float], held: tuple[float, float]) -> dict[str, float]:
+        return {
+            "agora_node_microbatch_seconds_sum": rtt[0],
+            "agora_node_microbatch_seconds_count": rtt[1],
+            "agora_node_serve_seconds_sum": held[0],
+            "agora_node_serve_seconds_count": held[1],
+        }
+
+    names = {0: ["a"], 1: ["b", "c"], 2: ["d"]}
+    before = {n: hist((0, 0), (0, 0)) for n in "abcd"}
+    after = {
+        "a": hist((10.0, 10), (0, 0)),  # stage 0 waited 1.0 s a micro-batch
+        "b": hist((2.0, 4), (3.2, 4)),  # stage 1 held them 0.8 s (b and c together)
+        "c": hist((4.0, 6), (4.8, 6)),
+        "d": hist((0, 0), (0.0, 0)),  # stage 2 saw none in the window
+    }
+    assert hop_waits(names, before, after) == [pytest.approx(0.1), None]

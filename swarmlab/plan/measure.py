@@ -8,6 +8,9 @@ node defaults: outer loop on), and reads, as an operator would:
   thread alone (`agora_node_torch_cpu_seconds_total`), per second of the window;
 - **round time**: the mean gap between consecutive `round_applied` events of each
   replica (node events), over the window;
+- **message wait**: per hop, half the mean round trip the calling stage saw
+  (`agora_node_microbatch_seconds`) less the mean time the serving stage held a request
+  (`agora_node_serve_seconds`): what a message spends outside both ends' handlers;
 - **re-route time**: after the window, the longest-serving replica of stage 1 is
   SIGKILLed; the time from the kill to the first `forward_rerouted` event of a stage-0
   node (the first micro-batch that failed through the victim and came back, trained,
@@ -19,7 +22,9 @@ node defaults: outer loop on), and reads, as an operator would:
   joined may carry no micro-batch yet (the router rates it by its slow first replies),
   and killing it would time how long until a sender next picks it, not a re-route. The
   median is reported, every trial kept, each with the seconds until a stage-0 node saw
-  the kill (its first `forward_failed`).
+  the kill (its first `forward_failed`) and where that re-routed micro-batch spent its
+  time (`retry_served` events of the stages that served it, and its successful
+  attempt's round trip).
 """
 
 from __future__ import annotations
@@ -64,6 +69,40 @@ def _torch_cpu(sw: LocalSwarm, names: list[str]) -> dict[str, float]:
     return {n: sw.scrape(n).get("agora_node_torch_cpu_seconds_total", 0.0) for n in names}
 
 
+HISTOGRAMS = ("agora_node_microbatch_seconds", "agora_node_serve_seconds")
+
+
+def _histograms(sw: LocalSwarm, names: list[str]) -> dict[str, dict[str, float]]:
+    """Sum and count of each node's round-trip and serve-time histograms."""
+    out = {}
+    for n in names:
+        m = sw.scrape(n)
+        out[n] = {f"{h}{x}": m.get(f"{h}{x}", 0.0) for h in HISTOGRAMS for x in ("_sum", "_count")}
+    return out
+
+
+def hop_waits(
+    names: dict[int, list[str]],
+    before: dict[str, dict[str, float]],
+    after: dict[str, dict[str, float]],
+) -> list[float | None]:
+    """Per hop s -> s+1: half the mean round trip stage s saw, less the mean time stage
+    s+1 held a request (from its arrival, decoded, to its reply): what one message spent
+    outside both ends' handlers (the wire, framing, and waiting for a core and the GIL).
+    None for a hop with no request in the window."""
+
+    def mean(stage: int, hist: str) -> float | None:
+        total = sum(after[n][f"{hist}_sum"] - before[n][f"{hist}_sum"] for n in names[stage])
+        count = sum(after[n][f"{hist}_count"] - before[n][f"{hist}_count"] for n in names[stage])
+        return total / count if count > 0 else None
+
+    out: list[float | None] = []
+    for s in range(len(names) - 1):
+        rtt, held = mean(s, HISTOGRAMS[0]), mean(s + 1, HISTOGRAMS[1])
+        out.append(None if rtt is None or held is None else (rtt - held) / 2)
+    return out
+
+
 def _round_gaps(sw: LocalSwarm, names: list[str], t0: float, t1: float) -> list[float]:
     gaps: list[float] = []
     for n in names:
@@ -72,13 +111,35 @@ def _round_gaps(sw: LocalSwarm, names: list[str], t0: float, t1: float) -> list[
     return gaps
 
 
+def _path(sw: LocalSwarm, names: dict[int, list[str]], t_kill: float) -> dict[str, Any]:
+    """Where the first re-routed micro-batch since `t_kill` spent its time: its
+    `forward_rerouted` fields (from its first failure, and its attempt that got through)
+    and each stage's `retry_served` of it (queued, held), by node."""
+    rerouted = min(
+        (ev for n in names[0] for ev in sw.events(n, "forward_rerouted") if ev["t"] >= t_kill),
+        key=lambda ev: ev["t"],
+    )
+    mb = rerouted["mb_id"]
+    served = {
+        n: {"queued_s": ev["queued_s"], "held_s": ev["held_s"]}
+        for n in sw.nodes
+        for ev in sw.events(n, "retry_served")
+        if ev["t"] >= t_kill and ev["mb_id"] == mb
+    }
+    return {
+        "since_failure_s": rerouted["seconds"],
+        "attempt_s": rerouted.get("attempt_s"),
+        "served": served,
+    }
+
+
 def _reroute_trial(
     sw: LocalSwarm, names: dict[int, list[str]], trial: int, say: Any
-) -> tuple[float, float | None]:
+) -> tuple[float, float | None, dict[str, Any]]:
     """SIGKILL stage 1's longest-serving replica; seconds until a stage-0 node's first
-    `forward_rerouted`, and until its first `forward_failed` (the kill seen). Then a
-    fresh replica takes its place and must serve and apply an outer round before the
-    next trial."""
+    `forward_rerouted`, and until its first `forward_failed` (the kill seen), and that
+    micro-batch's path (`_path`). Then a fresh replica takes its place and must serve
+    and apply an outer round before the next trial."""
     victim = names[1].pop(0)
     t_kill = time.time()
     sw.nodes[victim].signal(signal.SIGKILL)
@@ -100,6 +161,7 @@ def _reroute_trial(
         ev["t"] for n in names[0] for ev in sw.events(n, "forward_failed") if ev["t"] >= t_kill
     ]
     seen = min(failed) - t_kill if failed else None
+    path = _path(sw, names, t_kill)
     say(f"re-route trial {trial}: {seconds:.2f} s (the kill seen after {seen or 0:.2f} s)")
     fresh = f"s1x{trial}"
     sw.add_node(fresh, 1)
@@ -114,7 +176,7 @@ def _reroute_trial(
         f"the replacement {fresh} applying an outer round",
         180,
     )
-    return seconds, seen
+    return seconds, seen, path
 
 
 def measure_shape(
@@ -151,9 +213,11 @@ def measure_shape(
         say(f"{stages}x{replicas}: measuring for {window_s:.0f} s")
         tok0, w0, m0 = _trained(sw, names[0]), time.time(), time.monotonic()
         cpu0, torch0 = _cpu(sw, everyone), _torch_cpu(sw, everyone)
+        hist0 = _histograms(sw, everyone)
         time.sleep(window_s)
         tok1, w1, m1 = _trained(sw, names[0]), time.time(), time.monotonic()
         cpu1, torch1 = _cpu(sw, everyone), _torch_cpu(sw, everyone)
+        out["hop_wait_s"] = hop_waits(names, hist0, _histograms(sw, everyone))
         out["tokens_per_s"] = (tok1 - tok0) / (m1 - m0)
         out["cpu_s_per_s"] = {
             n: [(cpu1[n][i] - cpu0[n][i]) / (m1 - m0) for i in (0, 1)] for n in everyone
@@ -164,8 +228,9 @@ def measure_shape(
         out["rounds_seen"] = len(gaps)
         if reroute_trials and replicas > 1 and stages > 1:
             trials = [_reroute_trial(sw, names, t, say) for t in range(reroute_trials)]
-            out["reroute_trials_s"] = [t for t, _ in trials]
-            out["reroute_seen_s"] = [seen for _, seen in trials]
+            out["reroute_trials_s"] = [t for t, _, _ in trials]
+            out["reroute_seen_s"] = [seen for _, seen, _ in trials]
+            out["reroute_paths"] = [path for _, _, path in trials]
             out["reroute_s"] = statistics.median(out["reroute_trials_s"])
         sw.stop()
     finally:

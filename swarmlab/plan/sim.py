@@ -14,9 +14,11 @@
   an inner step every `inner_batch_tokens`; a failed request is retried at once through
   another replica;
 - outer rounds: every `outer_every_steps` inner steps (or after a quarter of them, to join
-  a replica already forming a group), a group of the stage's replicas gathers for
-  `outer_matchmaking_s` (closing early once it holds every replica the stage lists, or
-  `outer_group_size`), exchanges a reduce-scatter and all-gather of the compressed
+  a replica already forming a group), begun at the node's next outer tick with a
+  snapshot that steps what the worker trained meanwhile (the next round's first step, as
+  in the node), a group of the stage's replicas gathers for `outer_matchmaking_s`
+  (closing early once it holds every replica the stage lists, or `outer_group_size`),
+  exchanges a reduce-scatter and all-gather of the compressed
   stage (2 (g-1)/g of it each way per member) and merges the result on the worker; a
   replica alone on its stage steps at once, one whose listed groupmates do not come
   when the node's averaging times out. Training goes on meanwhile;
