@@ -373,3 +373,43 @@ def test_a_node_dials_only_the_peers_it_sends_to(keys: dict[str, NodeKey], serve
         assert t.connection_stack(server.peer_id) == [("/noise", "/yamux/1.0.0")]
 
     run_as(keys["honest"], go)
+
+
+def test_a_send_to_a_killed_peer_fails_at_its_first_refusal_and_its_restart_is_reached(
+    keys: dict[str, NodeKey], tmp_path: Path
+) -> None:
+    """A replica SIGKILLed mid-run refuses its port: a send to it fails on the first
+    refused dial, so the router can take the micro-batch elsewhere at once (py-libp2p's
+    own dial retries held it 0.1 + 0.2 + 0.4 s longer, less 10 % jitter at most). When it
+    comes back under the same key at a new address it is reached at once (py-libp2p
+    would refuse to dial it for 60 s after all its addresses failed)."""
+    seed = "07" * 32
+    victim = start_probe(["--seed-hex", seed], tmp_path / "victim.log", child_env())
+    back: Server | None = None
+    try:
+
+        async def go(t: Libp2pTransport) -> list[float]:
+            nonlocal back
+            await echo(t, victim, 1)
+            victim.proc.kill()
+            victim.proc.wait(10)
+            took = []
+            for seq in (2, 3):  # the stream it held (or a dial), then a dial
+                await trio.sleep(0.5)  # the swarm notices the dead connection
+                start = trio.current_time()
+                with pytest.raises(TransportError):
+                    await t.request(
+                        victim.peer_id, victim.addrs, ECHO_PROTOCOL, Echo(seq=seq), timeout=10
+                    )
+                took.append(trio.current_time() - start)
+            back = start_probe(["--seed-hex", seed], tmp_path / "back.log", child_env())
+            assert back.peer_id == victim.peer_id and back.addrs != victim.addrs
+            await echo(t, back, 4)
+            return took
+
+        took = run_as(keys["honest"], go)
+    finally:
+        stop(victim)
+        if back is not None:
+            stop(back)
+    assert max(took) < 0.6, took

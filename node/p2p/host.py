@@ -28,6 +28,7 @@ from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.network.config import RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -110,6 +111,12 @@ class Libp2pTransport:
             sec_opt={NOISE_PROTOCOL_ID: noise},
             muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         )
+        # A dial fails once: py-libp2p would try each address 4 times with 0.1, 0.2 and
+        # 0.4 s of back-off, so a send to a replica that was just killed (its port now
+        # refuses) held its micro-batch 0.6-1.4 s before the router could send it
+        # elsewhere. Retrying is the router's: another replica, or this one later.
+        network: Any = self._host.get_network()  # a Swarm: the interface lacks retry_config
+        network.retry_config = RetryConfig(max_retries=0)
         host_id = self._host.get_id().to_string()
         if host_id != key.peer_id:  # one identity: the libp2p peer id is the node key
             raise RuntimeError(f"libp2p peer id {host_id} differs from NodeKey {key.peer_id}")
@@ -346,18 +353,43 @@ class Libp2pTransport:
             known = self._host.get_peerstore().addrs(pid)
             if not known:
                 raise TransportError(f"no address known for peer {peer_id}", peer_id=peer_id)
-            direct = [a for a in known if not is_circuit(a)]
+            fresh = [_strip_p2p(a) for a in addrs]  # what the caller knows now, first
+            direct = [a for a in [*fresh, *known] if not is_circuit(a)]
             circuits = [a for a in known if is_circuit(a)]
             try:
-                if not direct:
-                    raise ConnectionError("no direct address")
-                await self._host.connect(PeerInfo(pid, direct))
+                await self._dial_direct(pid, list(dict.fromkeys(direct)), keep=[*fresh, *known])
             except Exception as exc:
                 if not circuits:
                     raise
                 log.debug("p2p: direct dial of %s failed (%r); trying relays", peer_id, exc)
                 await self.relay.dial(peer_id, circuits)
         return await self._host.new_stream(pid, [TProtocol(protocol_id)])
+
+    async def _dial_direct(
+        self, pid: ID, addrs: list[multiaddr.Multiaddr], *, keep: list[multiaddr.Multiaddr]
+    ) -> None:
+        """Dial `addrs` one at a time, in order, until one connects. py-libp2p's own dial
+        of a peer drops its loopback addresses when it knows another and tries one
+        address per transport, so a stale address (a replica that restarted on a new
+        port) or an unreachable one hid the address that works; and after all of a
+        peer's addresses failed once it refuses to dial it for 60 s, where whom to avoid
+        is the router's call. The peerstore holds `keep` afterwards."""
+        if not addrs:
+            raise ConnectionError("no direct address")
+        network, store = self._host.get_network(), self._host.get_peerstore()
+        errors = []
+        try:
+            for addr in addrs:
+                network.unblock_peer(pid)
+                store.clear_addrs(pid)
+                try:
+                    await self._host.connect(PeerInfo(pid, [addr]))
+                    return
+                except Exception as exc:
+                    errors.append(f"{addr}: {exc!r}")
+        finally:
+            store.add_addrs(pid, keep, ADDR_TTL)
+        raise ConnectionError("; ".join(errors))
 
     def _take_pooled(self, key: tuple[str, str]) -> Any | None:
         pool = self._idle.get(key)
