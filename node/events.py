@@ -11,7 +11,8 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
   `attempt_s` (the attempt that got through, from its send to the reply): a micro-batch
   that failed before completed through `peer` (stage 0)
 - `retry_served`: `mb_id`, `queued_s` (from its arrival until its forward began),
-  `held_s` (from its arrival until the reply): this stage served a retried forward
+  `held_s` (from its arrival until the reply), `job_s` and `job_cpu_s` (its forward job
+  on the torch worker: wall and the thread's CPU): this stage served a retried forward
 - `lease_committed`: `lease_id`, `shard_id`, `start`, `end`
 - `round_begun`: `tokens` (what this replica's contribution claims: the tokens trained
   since its last round began), `joining` (begun early, to join a forming group)

@@ -29,6 +29,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import trio
@@ -297,19 +299,28 @@ class PipelineHop:
 
     async def serve_forward(self, peer_id: str, msg: Message) -> Message:
         """A forward from stage - 1, answered with its backward (or refused)."""
-        t0 = trio.current_time()
-        began: list[float] = []  # when its forward took the worker
-        reply = await self._serve_forward(peer_id, msg, began)
-        held = trio.current_time() - t0
+        timing = _ServeTiming(arrived=trio.current_time())
+        reply = await self._serve_forward(peer_id, msg, timing)
+        held = trio.current_time() - timing.arrived
         metrics.SERVE_SECONDS.observe(held)
-        if isinstance(msg, Forward) and msg.retry and began:
+        if isinstance(msg, Forward) and msg.retry and timing.began is not None:
             self.events.emit(
-                "retry_served", mb_id=msg.mb_id, queued_s=round(began[0] - t0, 4),
-                held_s=round(held, 4),
+                "retry_served", mb_id=msg.mb_id,
+                queued_s=round(timing.began - timing.arrived, 4), held_s=round(held, 4),
+                job_s=round(timing.job_s, 4), job_cpu_s=round(timing.job_cpu_s, 4),
             )  # fmt: skip
         return reply
 
-    async def _serve_forward(self, peer_id: str, msg: Message, began: list[float]) -> Message:
+    async def _forward_job(self, timing: _ServeTiming, *args: Any) -> Any:
+        """`compute.forward(*args)` on the worker, timed into `timing` (wall and the
+        worker thread's CPU)."""
+        assert self.compute is not None
+        timing.began = trio.current_time()
+        out, timing.job_cpu_s = await self.worker.run(_cpu_timed, self.compute.forward, *args)
+        timing.job_s = trio.current_time() - timing.began
+        return out
+
+    async def _serve_forward(self, peer_id: str, msg: Message, timing: _ServeTiming) -> Message:
         if not isinstance(msg, Forward):
             raise ProtocolError(f"expected a forward message, got {type(msg).__name__}")
         with trio.move_on_after(max(0.0, msg.deadline - time.time())):
@@ -333,16 +344,14 @@ class PipelineHop:
         first = RETRIED if msg.retry else FRESH
         if compute.is_last:
             async with self.gate.turn(first):
-                began.append(trio.current_time())
-                grad, loss = await self.worker.run(compute.forward, key, rows, msg.hidden)  # type: ignore[misc]
+                grad, loss = await self._forward_job(timing, key, rows, msg.hidden)
             assert grad is not None
             self._account(rows)
             if compute.model.stage == 1:
                 self.witness(peer_id, _tokens(rows))
             return Backward(mb_id=msg.mb_id, grad=grad, loss=loss, tokens=_tokens(rows))
         async with self.gate.turn(first):
-            began.append(trio.current_time())
-            hidden = await self.worker.run(compute.forward, key, rows, msg.hidden)
+            hidden = await self._forward_job(timing, key, rows, msg.hidden)
         assert isinstance(hidden, EncodedTensor)
         route = [*msg.route, self.transport.peer_id]
         tried: set[str] = set()
@@ -388,6 +397,24 @@ class PipelineHop:
         wire = counts["wire_fwd"] + counts["wire_bwd"]
         if wire:
             metrics.COMPRESSION.set((counts["raw_fwd"] + counts["raw_bwd"]) / wire)
+
+
+@dataclass(slots=True)
+class _ServeTiming:
+    """When a served forward arrived and took the worker, and what its forward job
+    cost (seconds: trio clock, wall and thread CPU)."""
+
+    arrived: float
+    began: float | None = None
+    job_s: float = 0.0
+    job_cpu_s: float = 0.0
+
+
+def _cpu_timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """`fn(*args)` and the CPU seconds the calling thread spent in it."""
+    c0 = time.thread_time()
+    out = fn(*args)
+    return out, time.thread_time() - c0
 
 
 def _tokens(rows: np.ndarray) -> int:

@@ -150,6 +150,7 @@ def test_a_dead_replica_gets_no_micro_batch_after_its_first_transport_failure(
         [served] = read_events(tmp_path / "events.served.jsonl", "retry_served")
         assert served["mb_id"] == "1.1.0"
         assert 0 <= served["queued_s"] <= served["held_s"] <= rerouted["attempt_s"]
+        assert 0 < served["job_cpu_s"] and served["job_s"] <= served["held_s"]
         assert rerouted["attempt_s"] <= rerouted["seconds"]
 
 

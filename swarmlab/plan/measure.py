@@ -114,14 +114,15 @@ def _round_gaps(sw: LocalSwarm, names: list[str], t0: float, t1: float) -> list[
 def _path(sw: LocalSwarm, names: dict[int, list[str]], t_kill: float) -> dict[str, Any]:
     """Where the first re-routed micro-batch since `t_kill` spent its time: its
     `forward_rerouted` fields (from its first failure, and its attempt that got through)
-    and each stage's `retry_served` of it (queued, held), by node."""
+    and each stage's `retry_served` of it (queued, held, its forward job's wall and
+    CPU seconds), by node."""
     rerouted = min(
         (ev for n in names[0] for ev in sw.events(n, "forward_rerouted") if ev["t"] >= t_kill),
         key=lambda ev: ev["t"],
     )
     mb = rerouted["mb_id"]
     served = {
-        n: {"queued_s": ev["queued_s"], "held_s": ev["held_s"]}
+        n: {k: ev.get(k) for k in ("queued_s", "held_s", "job_s", "job_cpu_s")}
         for n in sw.nodes
         for ev in sw.events(n, "retry_served")
         if ev["t"] >= t_kill and ev["mb_id"] == mb
