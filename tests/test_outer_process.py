@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch
 import trio
 
@@ -22,7 +23,7 @@ from node.checkpoint import GlobalState
 from node.diloco import DilocoConfig
 from node.events import EventLog, read_events
 from node.lease_pool import CommitRange, LeasePool, RoundFacts, RoundMark, RoundVerdict
-from node.outer_link import OuterConfig, OuterLink
+from node.outer_link import SHM_DIR, OuterConfig, OuterLink
 from node.outer_loop import LONE_ROUNDS_TO_MOVE, OuterLoop
 from node.p2p.inproc import InProcessNetwork
 from node.peer_view import PeerView
@@ -31,6 +32,7 @@ from node.worker import TorchWorker
 from protocol.control import LeaseInfo, PeerInfo, RunInfo
 from protocol.identity import NodeKey
 from protocol.lineage import Link
+from swarmlab.procs import wait_for
 
 DECLARE_STATE_PERIOD_S = 5.0  # node.outer.process: the averager's declare_state_period (s)
 
@@ -275,6 +277,51 @@ def test_a_group_with_nothing_to_average_settles_on_the_canonical_state(
 
 def test_the_stage_side_never_loaded_hivemind() -> None:
     assert "hivemind" not in sys.modules
+
+
+def test_an_outer_process_whose_stage_process_died_exits_with_all_its_helpers(
+    child_env: dict[str, str],
+) -> None:
+    """A stage process killed by SIGKILL sends no stop: its outer process, hivemind's DHT
+    and averager processes and their p2p daemons (one process group) are all gone soon
+    after, and the shared buffers are unlinked."""
+    code = (
+        "import time\n"
+        "from node.outer_link import OuterConfig, OuterLink\n"
+        "link = OuterLink.start(run_id='orphan', stage=0, numel=64, initial_peers=[],"
+        " config=OuterConfig())\n"
+        "print(link.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    stage = subprocess.Popen(
+        [sys.executable, "-c", code], env=child_env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert stage.stdout is not None
+        pgid = stage.stdout.readline().strip()
+        buffers = list(SHM_DIR.glob(f"agora-{stage.pid}-*"))  # OuterLink.start's names
+        group = [q for q in psutil.process_iter() if _pgid(q.pid) == int(pgid)]
+        names = sorted(q.name() for q in group)
+        assert len(group) >= 3 and any("p2pd" in n for n in names), names
+        assert len(buffers) == 3, buffers
+        stage.kill()
+        stage.wait(10)
+        wait_for(
+            lambda: not any(q.is_running() and q.status() != "zombie" for q in group),
+            "every process of the outer process's group to exit",
+            15,
+            detail=lambda: str([(q.pid, q.name()) for q in group if q.is_running()]),
+        )
+        assert not any(b.exists() for b in buffers), buffers
+    finally:
+        stage.kill()
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def test_wire_codecs_round_trip_in_the_outer_interpreter(child_env: dict[str, str]) -> None:

@@ -23,14 +23,11 @@ each decodes the same compressed bytes in the same order.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import socket
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +57,7 @@ from node.outer.contract import (
     encode,
 )
 from node.outer.contract_fields import MAX_ADDR, MAX_PEERS, MAX_TEXT
+from node.outer.lifecycle import identity_file, vanish
 from node.outer.parts import MAX_ADDRS, group_canonical, group_target, named_attested
 from node.outer.settings import MAX_COUNT
 from node.outer.state_download import state_digest
@@ -78,21 +76,6 @@ REBASE_TIMEOUT_S = 10.0
 
 def digest(state: OuterState) -> str:
     return state_digest(state.round, state.theta_g, state.m)
-
-
-@contextlib.contextmanager
-def identity_file(identity: bytes) -> Iterator[str | None]:
-    """The node's key in a file only this user can read, for the p2p daemon's `-id`
-    (which reads it at start), removed afterwards; None (a fresh key) for b""."""
-    if not identity:
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix="agora-outer-id-") as tmp:  # mode 0700
-        path = Path(tmp) / "key"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(identity)
-        yield str(path)
 
 
 def caught(info: dict[str, Any]) -> dict[str, str]:
@@ -160,6 +143,16 @@ class OuterProcess:
         self.sock.settimeout(None)
         return self.inbox.pop(0)
 
+    def _recv_or_vanish(self, paths: Iterable[str]) -> Command:
+        """The next command; a link closed without a `Stop` (the stage process died) ends
+        this process (`vanish`)."""
+        try:
+            if (cmd := self.recv()) is not None:
+                return cmd
+        except ConnectionError:
+            pass
+        vanish(paths)
+
     # ---- lifecycle -------------------------------------------------------------------
 
     def serve(self) -> int:
@@ -216,14 +209,17 @@ class OuterProcess:
         self.averager.run_in_background(await_ready=True, timeout=self.cfg.startup_timeout_s)
         log.info("outer process for %s up: %s", self.prefix, addrs)
         self.send(Ready(addrs=addrs, peer_id=self.dht.peer_id.to_base58()))
+        paths = (init.snap, init.result, init.momentum)
         try:
-            while (cmd := self.recv()) is not None:
-                if isinstance(cmd, Stop):
-                    break
-                self.send(self.handle(cmd))
+            while not isinstance(cmd := self._recv_or_vanish(paths), Stop):
+                reply = self.handle(cmd)
+                try:
+                    self.send(reply)
+                except ConnectionError:  # the stage process died while this command ran
+                    vanish(paths)
         finally:
             # the link unlinks these too; doing it here covers a stage process that died
-            for path in (init.snap, init.result, init.momentum):
+            for path in paths:
                 Path(path).unlink(missing_ok=True)
             self.averager.shutdown()
             self.dht.shutdown()

@@ -80,9 +80,9 @@ class Timings:
     grant_tokens: int = 8192  # tokens per granted lease range
     request_timeout_s: float = 30.0  # a downstream stage's time for one micro-batch (s)
     # from a SIGKILL to the victim's connections being reset (the kernel closes them as
-    # the process is torn down): `agora bench failover` measured 0.23-0.46 s on loopback
-    # (docs/reliability.md) (s)
-    kill_detect_s: float = 0.25
+    # the process is torn down): `agora bench failover` measured 0.03-0.04 s on loopback
+    # once a dial to a dead peer failed at its first refusal (docs/reliability.md) (s)
+    kill_detect_s: float = 0.03
     relay_rtt_ms: float = 60.0  # extra RTT through the relay (ms)
     relay_mbit: float = 100.0  # cap on a relayed peer's bandwidth, each way (Mbit/s)
     host_cores: int = 2  # cores of a shared host (`PeerGroup.host`) (count)

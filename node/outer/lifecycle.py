@@ -1,0 +1,46 @@
+"""The outer process's dealings with the operating system: the node's key in a private
+file for the p2p daemon, and exiting at once with the whole process group when the
+stage process that owns it has died."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import NoReturn
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def identity_file(identity: bytes) -> Iterator[str | None]:
+    """The node's key in a file only this user can read, for the p2p daemon's `-id`
+    (which reads it at start), removed afterwards; None (a fresh key) for b""."""
+    if not identity:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="agora-outer-id-") as tmp:  # mode 0700
+        path = Path(tmp) / "key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity)
+        yield str(path)
+
+
+def vanish(paths: Iterable[str] = ()) -> NoReturn:
+    """Unlink the shared buffers `paths` and exit at once with this process's group (its
+    hivemind DHT and averager processes and their p2p daemons; `node.outer_link` makes
+    it a group leader), for a stage process that died: hivemind's graceful shutdown
+    would spend about half a CPU-second on a host whose other nodes are taking over the
+    dead one's work. Anywhere but a group leader it exits this process alone."""
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
+    log.warning("outer process: the stage process is gone; exiting with its helpers")
+    logging.shutdown()
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(1)
