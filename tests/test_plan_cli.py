@@ -94,3 +94,10 @@ def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
     assert r.returncode == 2 and "neither a preset" in r.stderr
     r = agora("plan", "--model", "tiny")
     assert r.returncode == 2 and "--fleet" in r.stderr
+    used = tmp_path / "used"  # a swarm in it would resume the run its database holds
+    used.mkdir()
+    (used / "coordinator.sqlite").write_bytes(b"")
+    r = agora("plan", "--model", "tiny", "--validate", "--keep-swarms", str(used))
+    assert r.returncode == 2 and "new or empty directory" in r.stderr
+    r = agora("plan", "--model", "tiny", "--measured", "v.json", "--keep-swarms", str(used))
+    assert r.returncode == 2 and "--keep-swarms keeps the real swarms" in r.stderr

@@ -79,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--validate-window", type=float, default=90.0, help="seconds per real run")
     p.add_argument("--no-shaped", action="store_true", help="validate without the shaped run")
     p.add_argument(
+        "--keep-swarms",
+        type=Path,
+        metavar="DIR",
+        help="keep each validation swarm's logs, events and database under DIR "
+        "(default: a temporary directory, removed)",
+    )
+    p.add_argument(
         "--measured",
         type=Path,
         help="validate against the real runs stored in an earlier --validate report (JSON)",
@@ -144,6 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         if args.model not in PRESETS:
             raise ValueError("--validate runs real swarms: give --model as a preset name")
+        if args.keep_swarms and not args.validate:
+            raise ValueError("--keep-swarms keeps the real swarms of --validate")
         if args.measured:
             try:
                 measured = json.loads(args.measured.read_text())["validation"]["measured"]
@@ -152,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             measured = measure_all(
                 model, args.model, window_s=args.validate_window, warmup_s=20.0,
-                shaped=not args.no_shaped, say=_say,
+                shaped=not args.no_shaped, say=_say, keep=args.keep_swarms,
             )  # fmt: skip
         report["validation"] = validate(measured)
         _print_validation(report["validation"]["rows"])

@@ -33,6 +33,7 @@ tokens/s, round time and re-route time (loopback rows).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -191,10 +192,19 @@ def fit_contention(
 
 
 def measure_all(
-    model: ModelConfig, preset: str, *, window_s: float, warmup_s: float, shaped: bool, say: Say
+    model: ModelConfig,
+    preset: str,
+    *,
+    window_s: float,
+    warmup_s: float,
+    shaped: bool,
+    say: Say,
+    keep: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every real swarm the validation needs: 2x1 and 4x1 (calibration), the loopback
-    shapes and (with `shaped`) the shaped 2x2; keyed by shape name."""
+    shapes and (with `shaped`) the shaped 2x2; keyed by shape name. Each swarm runs in
+    a directory of its own under `keep` (its logs, events and coordinator database are
+    left there), or under a temporary one that is removed."""
     values = {"outer_every_steps": NODE.outer_every_steps}
     out: dict[str, dict[str, Any]] = {}
 
@@ -211,7 +221,15 @@ def measure_all(
         out[name]["profile"] = before
         out[name]["profile_after"] = measure_cpu(model, stages, NODE).to_dict()
 
-    with tempfile.TemporaryDirectory(prefix="agora-plan-") as tmp:
+    if keep is not None:
+        if keep.exists() and any(keep.iterdir()):  # a swarm's database there would resume
+            raise ValueError(f"--keep-swarms {keep}: give a new or empty directory")
+        keep.mkdir(parents=True, exist_ok=True)
+    with (
+        contextlib.nullcontext(str(keep))
+        if keep is not None
+        else tempfile.TemporaryDirectory(prefix="agora-plan-")
+    ) as tmp:
         for stages, replicas in (*CALIBRATION, *SHAPES):
             name = f"{stages}x{replicas}"
             profiled(
