@@ -316,7 +316,7 @@ class PipelineHop:
         worker thread's CPU)."""
         assert self.compute is not None
         timing.began = trio.current_time()
-        out, timing.job_cpu_s = await self.worker.run(_cpu_timed, self.compute.forward, *args)
+        out, timing.job_cpu_s = await self.worker.run_timed(self.compute.forward, *args)
         timing.job_s = trio.current_time() - timing.began
         return out
 
@@ -408,13 +408,6 @@ class _ServeTiming:
     began: float | None = None
     job_s: float = 0.0
     job_cpu_s: float = 0.0
-
-
-def _cpu_timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """`fn(*args)` and the CPU seconds the calling thread spent in it."""
-    c0 = time.thread_time()
-    out = fn(*args)
-    return out, time.thread_time() - c0
 
 
 def _tokens(rows: np.ndarray) -> int:

@@ -72,11 +72,15 @@ def test_each_jobs_cpu_seconds_are_reported_and_waiting_is_not() -> None:
         while time.thread_time() < end:
             pass
 
+    timed: list[float] = []
+
     async def main() -> None:
         await worker.run(spin)
-        await worker.run(time.sleep, 0.2)  # waiting costs no CPU
+        _, cpu_s = await worker.run_timed(time.sleep, 0.2)  # waiting costs no CPU
+        timed.append(cpu_s)
 
     trio.run(main)
     worker.close()
     assert len(seen) == 2
     assert seen[0] >= 0.05 and seen[1] < 0.05, seen
+    assert timed == seen[1:]  # the caller gets the same figure as the metric
