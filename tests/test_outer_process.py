@@ -298,7 +298,8 @@ def test_an_outer_process_whose_stage_process_died_exits_with_all_its_helpers(
     )
     try:
         assert stage.stdout is not None
-        pgid = stage.stdout.readline().strip()
+        pgid = stage.stdout.readline().strip()  # after OuterLink.start's own deadline
+        assert pgid.isdigit(), f"the stage process started no outer process: {pgid!r}"
         buffers = list(SHM_DIR.glob(f"agora-{stage.pid}-*"))  # OuterLink.start's names
         group = [q for q in psutil.process_iter() if _pgid(q.pid) == int(pgid)]
         names = sorted(q.name() for q in group)

@@ -218,7 +218,7 @@ class OuterProcess:
                 except ConnectionError:  # the stage process died while this command ran
                     vanish(paths)
         finally:
-            # the link unlinks these too; doing it here covers a stage process that died
+            # the link unlinks these too; doing it here covers a command that failed
             for path in paths:
                 Path(path).unlink(missing_ok=True)
             self.averager.shutdown()
