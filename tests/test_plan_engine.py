@@ -45,6 +45,9 @@ def test_oversubscription_costs_contention_per_thread_beyond_the_cores() -> None
     eng.run(10.0)
     assert all(done[f"crowded{i}"] == pytest.approx(2.0 * 1.3) for i in range(4))
     assert all(done[f"calm{i}"] == pytest.approx(1.0) for i in range(2))
+    # the work each served, weighted by the oversubscription it ran under: 4 on 2 cores is 1
+    assert crowded.over_s == pytest.approx(crowded.busy_s) and crowded.busy_s > 0
+    assert calm.over_s == 0.0 and calm.busy_s == pytest.approx(2.0)
 
 
 def test_a_task_submitted_later_shares_from_then_on() -> None:

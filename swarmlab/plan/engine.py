@@ -63,13 +63,17 @@ class Host:
         self._last = 0.0
         self._version = 0
         self.busy_s = 0.0  # core-seconds served
+        self.over_s = 0.0  # core-seconds served, each times the oversubscription it ran under
 
     def _rate(self) -> float:
         if not self._tasks:
             return 0.0
         load = len(self._tasks) + self.background
-        over = max(0.0, load / self.cores - 1.0)
-        return min(1.0, self.cores / load) / (1.0 + self.contention * over)
+        return min(1.0, self.cores / load) / (1.0 + self.contention * self._over())
+
+    def _over(self) -> float:
+        """Oversubscription: runnable threads per core beyond one."""
+        return max(0.0, (len(self._tasks) + self.background) / self.cores - 1.0)
 
     def _advance(self) -> None:
         dt = self.engine.now - self._last
@@ -79,6 +83,7 @@ class Host:
             for t in self._tasks.values():
                 t[0] = float(t[0]) - dt * r  # type: ignore[arg-type]
             self.busy_s += dt * r * len(self._tasks)
+            self.over_s += dt * r * len(self._tasks) * self._over()
 
     def _schedule(self) -> None:
         self._version += 1
