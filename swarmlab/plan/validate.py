@@ -107,7 +107,7 @@ def predict_shape(
     reroute: bool,
 ) -> dict[str, Any]:
     """The simulated swarm's tokens/s and round time, each the mean over SIM_SEEDS seeds
-    (one seed's round time moves by up to 5 % with any small change of the inputs), and
+    (seeds alone spread a 3 x 2 round time over 5 %), and
     with `reroute` the median re-route time over as many kills, each at its own moment
     `KILL_AFTER_S` after the window."""
     fleet = loopback_fleet(stages, replicas, node, link, timings)
