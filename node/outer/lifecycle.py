@@ -31,7 +31,7 @@ def identity_file(identity: bytes) -> Iterator[str | None]:
         yield str(path)
 
 
-def vanish(paths: Iterable[str] = ()) -> NoReturn:
+def vanish(paths: Iterable[str]) -> NoReturn:
     """Unlink the shared buffers `paths` and exit at once with this process's group (its
     hivemind DHT and averager processes and their p2p daemons; `node.outer_link` makes
     it a group leader), for a stage process that died: hivemind's graceful shutdown
