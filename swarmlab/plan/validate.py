@@ -52,7 +52,7 @@ from swarmlab.plan.sim import SwarmSim
 SHAPES = ((2, 2), (3, 2), (2, 3))
 CALIBRATION = ((2, 1), (4, 1))  # the calibration swarms: none of them is validated
 KILL_AFTER_S = 30.0  # simulated seconds after the window before the re-route kill
-CONTENTION_MAX = 2.0  # the largest cpu_contention the fit will give (fraction)
+CONTENTION_MAX = 2.0  # the largest cpu_contention measure_contention gives (fraction)
 REROUTE_TRIALS = 11  # kills per shape in the real swarms (the median is compared)
 SIM_SEEDS = REROUTE_TRIALS  # simulated runs per shape, each with a kill of its own
 LOOPBACK = {"up_mbit": 4000.0, "down_mbit": 4000.0, "rtt_ms": (0.2, 0.2)}
@@ -107,9 +107,9 @@ def predict_shape(
     reroute: bool,
 ) -> dict[str, Any]:
     """The simulated swarm's tokens/s and round time, each the mean over SIM_SEEDS seeds
-    (seeds alone spread a 3 x 2 round time over 5 %), and
-    with `reroute` the median re-route time over as many kills, each at its own moment
-    `KILL_AFTER_S` after the window."""
+    (seeds alone spread a 3 x 2 round time over 5 %), and with `reroute` the median
+    re-route time over as many kills, each at its own moment `KILL_AFTER_S` after the
+    window; the other figures are seed 0's."""
     fleet = loopback_fleet(stages, replicas, node, link, timings)
     kill_at = warmup_s + window_s + KILL_AFTER_S
     runs, times = [], []
