@@ -27,7 +27,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.relay_child import RelayChild, RelayStartError
 from coordinator.server import CoordinatorServer
 from coordinator.store import SQLiteStore
-from coordinator.tls import load_identity, server_context
+from coordinator.tls import credit_key, load_identity, server_context
 from protocol.pinning import CoordinatorAddress
 
 log = logging.getLogger("coordinator")
@@ -139,6 +139,7 @@ async def _serve(cfg: CoordinatorConfig, relay: RelayChild | None, events: Path 
         tokenizer_json=tokenizer.json,
         tls=server_context(tls.cert, tls.key),
         fingerprint=tls.fingerprint,
+        credit_key=credit_key(tls.key),
     )
     port = await server.start()
     # What is loaded by now (modules, config, manifest, restored peers and leases) lives

@@ -57,6 +57,7 @@ from protocol.control import ErrorReply, HeartbeatRequest
 from protocol.corpus import Manifest
 from protocol.errors import ProtocolError
 from protocol.framing import FrameDecoder, frame_message
+from protocol.identity import NodeKey
 from protocol.message import Message
 from protocol.signing import SignedRequest
 
@@ -216,6 +217,7 @@ class CoordinatorServer:
         tokenizer_json: bytes = b"",  # the run's tokenizer.json (b"": the byte tokenizer)
         tls: ssl.SSLContext,  # the listener's server context (coordinator.tls.server_context)
         fingerprint: str,  # `sha256:<hex>` of its certificate: what bound requests name
+        credit_key: NodeKey | None = None,  # signs members' credits; None: a fresh key
     ) -> None:
         self.cfg = cfg
         self.tls = tls
@@ -232,6 +234,7 @@ class CoordinatorServer:
             book=book,
             metrics=self.metrics,
             paused=paused,
+            credit_key=credit_key,
         )
         self.audit = AuditMonitor(
             {s.shard_id: s.tokens for s in book.shards.values()}, book.data_epoch

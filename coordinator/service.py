@@ -38,6 +38,7 @@ from protocol.addrs import owner_problem
 from protocol.codec import schema_limits
 from protocol.corpus import Manifest, ShardInfo, shard_slice
 from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
 from protocol.launch import FacilityReport
 from protocol.message import Message
 from protocol.model_config import run_model_config
@@ -78,6 +79,7 @@ class Service(Moderation):
         metrics: CoordinatorMetrics,
         paused: bool = False,
         tokenizer_json: bytes = b"",
+        credit_key: NodeKey | None = None,  # signs members' credits (coordinator.tls)
     ) -> None:
         self.cfg = cfg
         self.manifest = manifest
@@ -116,7 +118,7 @@ class Service(Moderation):
         # what replicas caught each other at (coordinator/accuse.py, coordinator/moderation.py)
         self.accusations = Accusations(strikes=cfg.accuse_strikes, window_s=cfg.accuse_window_s)
         # claimed throughput checked against witnessed work (coordinator/witness.py)
-        self.witness = WitnessBook.from_config(cfg, started=self.started)
+        self.witness = WitnessBook.from_config(cfg, started=self.started, key=credit_key)
         self._handlers: dict[type[Message], Callable[..., Message]] = {
             c.HeartbeatRequest: self._heartbeat,
             c.MembershipRequest: self._membership,
@@ -160,15 +162,13 @@ class Service(Moderation):
         `signature_ok`; the server may run those checks off the event loop)."""
         if not verified:
             scope = "no run" if req.any_run else f"run {self.cfg.run_id!r}"
-            return Answer(
-                "unknown", _err("bad_signature", f"signature does not verify for {scope}")
-            )
+            why = f"signature does not verify for {scope}"
+            return Answer("unknown", _err("bad_signature", why))
         # the per-key bucket before the replay guard: a flood is refused before its
         # nonces could crowd live ones out of the guard's table
         if not self.limiter.allow(req.key, now):
-            return Answer(
-                "unknown", _err("rate_limited", "too many requests from this key; back off")
-            )
+            why = "too many requests from this key; back off"
+            return Answer("unknown", _err("rate_limited", why))
         try:
             self.guard.check(req.key, req.nonce, req.ts, now)
         except ProtocolError as exc:
@@ -365,6 +365,7 @@ class Service(Moderation):
             data_epoch=self.book.data_epoch,
             freed=self.book.freed_waiting() if takes_leases else 0,
             attested=self.attested(peer.stage),
+            credit=b"" if w is None else w.credit(peer, now),
         )
 
     def attested(self, stage: int) -> c.StateRef | None:

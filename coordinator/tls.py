@@ -6,7 +6,8 @@ enough. `load_identity` uses the operator's PEM files when the config names them
 (`tls_cert`, `tls_key`); otherwise it makes an ECDSA P-256 key and a self-signed
 certificate once, beside the database (`<db>.tls-key.pem`, `<db>.tls-cert.pem`, both
 0600), and reuses them on every restart, so the fingerprint nodes were given stays valid
-for the life of the run. `server_context` serves TLS 1.3 only (every client is this
+for the life of the run; the key that signs members' credits is derived from it
+(`credit_key`). `server_context` serves TLS 1.3 only (every client is this
 repository's Python code). Torch-free.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import os
 import ssl
 from pathlib import Path
@@ -24,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from coordinator.config import CoordinatorConfig
+from protocol.identity import NodeKey
 from protocol.pinning import fingerprint
 
 CERT_YEARS = 20  # validity of a generated certificate (clients check the pin, not dates)
@@ -107,6 +110,13 @@ def load_identity(cfg: CoordinatorConfig) -> TlsIdentity:
     except (OSError, ValueError, ssl.SSLError) as exc:
         raise ValueError(f"cannot use TLS certificate {cert} with key {key}: {exc}") from exc
     return TlsIdentity(cert=cert, key=key, fingerprint=pin, generated=generated)
+
+
+def credit_key(key: Path) -> NodeKey:
+    """The ed25519 key that signs members' credits (`protocol.credit`), derived from the
+    TLS private key: kept as long as the certificate is, with no file of its own, and
+    never the TLS key itself."""
+    return NodeKey(hashlib.sha256(b"agora/credit-key/v1\0" + key.read_bytes()).digest())
 
 
 def server_context(cert: Path, key: Path) -> ssl.SSLContext:

@@ -20,6 +20,11 @@ as the stage before it saw them, and stage 0's forwards as stage 1 served them.
   `claim_ratio` x the median counted throughput of its stage's measured replicas.
 - A stage with fewer measured replicas is not checked: a median of two is either one.
 
+The book also issues each member's credit (`protocol.credit`): the rate others witnessed
+for it over the part of the window it was measured in, signed, re-signed at most every
+`CREDIT_REFRESH_S` or a bucket (a heartbeat reply carries it; groupmates bound its
+outer-loop token claim by it, node.outer.credit).
+
 What it does not stop: members that witness for each other (a Sybil on stage 0 and one
 on stage 1) can back each other's claims; a minority of them cannot move a stage's
 median, so honest replicas keep their claims. Soft state: a restarted coordinator starts
@@ -34,6 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from protocol.control import HeartbeatRequest
+from protocol.credit import sign_credit
+from protocol.identity import NodeKey
 
 if TYPE_CHECKING:  # the coordinator's types, read here, never built
     from coordinator.config import CoordinatorConfig
@@ -41,6 +48,7 @@ if TYPE_CHECKING:  # the coordinator's types, read here, never built
 
 BUCKETS = 8  # time buckets per window
 MIN_MEASURED = 3  # measured replicas a stage needs before its claims are checked
+CREDIT_REFRESH_S = 10.0  # seconds a member's signed credit is handed out before re-signing
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +71,14 @@ class WitnessBook:
     """Witnessed tokens per member, and the throughput to count for each."""
 
     def __init__(
-        self, *, window_s: float, slack: float, claim_ratio: float, started: float = 0.0
+        self,
+        *,
+        window_s: float,
+        slack: float,
+        claim_ratio: float,
+        started: float = 0.0,
+        key: NodeKey | None = None,
+        run: str = "",
     ) -> None:
         if window_s <= 0 or slack < 1 or claim_ratio < 1:
             raise ValueError(
@@ -74,21 +89,29 @@ class WitnessBook:
         self.slack = slack  # a replica may claim this x the stage's median claim/rate
         self.claim_ratio = claim_ratio  # a young replica's claim, x its stage's median
         self.started = started  # unix seconds: nobody was measured before
+        self.key = key  # signs the credits of `run`'s members; None: none are issued
+        self.run = run
         self.claims: dict[str, float] = {}  # member -> its latest claim (tokens/s)
         self._bucket_s = window_s / BUCKETS
         # peer -> bucket index -> tokens witnessed in it (at most BUCKETS + 1 kept)
         self._seen: dict[str, dict[int, int]] = {}
         self._stage_median: dict[int, float] = {}  # stage -> median counted (last recount)
         self.tokens_total = 0  # witnessed tokens taken since the start
+        # member -> (signed at, stage, encoded credit): the credit its heartbeats get
+        self._issued: dict[str, tuple[float, int, bytes]] = {}
 
     @classmethod
-    def from_config(cls, cfg: CoordinatorConfig, *, started: float) -> WitnessBook | None:
-        """The book a coordinator config asks for; None when `witness_window_s` is 0."""
+    def from_config(
+        cls, cfg: CoordinatorConfig, *, started: float, key: NodeKey | None = None
+    ) -> WitnessBook | None:
+        """The book a coordinator config asks for, issuing credits signed by `key` (None:
+        a fresh one); None when `witness_window_s` is 0."""
         if cfg.witness_window_s <= 0:
             return None
         return cls(
             window_s=cfg.witness_window_s, slack=cfg.witness_slack,
-            claim_ratio=cfg.claim_ratio, started=started,
+            claim_ratio=cfg.claim_ratio, started=started, key=key or NodeKey.generate(),
+            run=cfg.run_id,
         )  # fmt: skip
 
     def admit(self, peer: str, stage: int, claim: float) -> float:
@@ -165,6 +188,31 @@ class WitnessBook:
         seen = self._seen.get(peer, {})
         return sum(t for b, t in seen.items() if b > first) / self.window_s
 
+    def witnessed_rate(self, peer: str, joined_at: float, now: float) -> float:
+        """Tokens/s others witnessed for `peer` over the part of the last window it has
+        been measured in (a member younger than a window: its own time, at least a
+        bucket), so a joiner's rate is not its share of a window it was absent for."""
+        age = now - max(joined_at, self.started)
+        measured = min(self.window_s, max(self._bucket_s, age))
+        return self.rate(peer, now) * self.window_s / measured
+
+    def credit(self, peer: Peer, now: float) -> bytes:
+        """`peer`'s signed credit (`protocol.credit`), re-signed when the one issued is
+        `CREDIT_REFRESH_S` (or a bucket) old or names another stage; b"" for an observer, or without a
+        key."""
+        if peer.observer or self.key is None:
+            return b""
+        issued = self._issued.get(peer.peer_id)
+        fresh_s = min(CREDIT_REFRESH_S, self._bucket_s)  # the rate moves once a bucket
+        if issued is not None and now - issued[0] < fresh_s and issued[1] == peer.stage:
+            return issued[2]
+        rate = self.witnessed_rate(peer.peer_id, peer.joined_at, now)
+        data = sign_credit(
+            self.key, run=self.run, peer=peer.peer_id, stage=peer.stage, rate=rate, issued_at=now
+        )
+        self._issued[peer.peer_id] = (now, peer.stage, data)
+        return data
+
     def counted(self, members: Iterable[Member], now: float) -> Iterator[tuple[str, float]]:
         """(peer, tokens/s to count) for every member, by the rules above."""
         by_stage: dict[int, list[Member]] = {}
@@ -198,3 +246,4 @@ class WitnessBook:
         """A member that left, lapsed or was banned."""
         self._seen.pop(peer, None)
         self.claims.pop(peer, None)
+        self._issued.pop(peer, None)

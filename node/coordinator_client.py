@@ -136,6 +136,7 @@ class CoordinatorClient:
         self._freed_seen = trio.Event()  # set by a reply that reported some
         self.state: c.StateRef | None = None  # the global state this replica holds
         self.attested: c.StateRef | None = None  # its stage's, as the last reply said
+        self.credit = b""  # its signed credit (protocol.credit), as the last reply said
         self._report_now = trio.Event()  # set by a new state: heartbeat at once
         self._accused: list[c.Accusation] = []  # for the next heartbeat (at most MAX_ACCUSED)
         self._witnessed: dict[str, int] = {}  # peer -> tokens worked on, not yet reported
@@ -294,6 +295,7 @@ class CoordinatorClient:
         assert isinstance(reply, c.HeartbeatReply)
         del self._accused[: len(accused)]  # those added meanwhile go in the next one
         self.attested = reply.attested
+        self.credit = reply.credit
         if announce is self._announce:
             self._announce = None
         self.freed = reply.freed

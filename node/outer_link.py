@@ -275,6 +275,7 @@ class OuterLink:
         target_tokens: int | None = None,
         attested: tuple[int, str] | None = None,
         members: Sequence[str] | None = None,
+        credit: bytes = b"",
     ) -> None:
         """Hand the working copy (as it is now) and the tokens trained since the last
         theta_g to the outer process, which runs the round in the background.
@@ -283,7 +284,8 @@ class OuterLink:
         stage's attested (round, digest): the round first rebases onto that state when it
         is newer than the one held (and onto no other). `members` (peer ids) are the
         stage's replicas as the coordinator lists them: the round admits no other peer
-        to its group; None admits any."""
+        to its group; None admits any. `credit` is this replica's signed credit from the
+        coordinator (`protocol.credit`; b"": none), which it shows its groupmates."""
         self._require_idle()
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
@@ -294,7 +296,13 @@ class OuterLink:
         target = None if target_tokens is None else int(target_tokens)
         listed = None if members is None else list(members)
         self._send(
-            Begin(tokens=int(tokens), target_tokens=target, attested=attested, members=listed)
+            Begin(
+                tokens=int(tokens),
+                target_tokens=target,
+                attested=attested,
+                members=listed,
+                credit=bytes(credit),
+            )  # fmt: skip
         )
         self._pending = RoundResult.OP
         self.stall_s += time.monotonic() - t0

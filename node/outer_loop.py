@@ -82,6 +82,7 @@ class OuterLoop:
         events: EventLog | None = None,
         on_replaced: OnReplaced | None = None,  # a move took another replica's state
         attested: Callable[[], Attested] | None = None,  # the stage's, as last told
+        credit: Callable[[], bytes] | None = None,  # its signed credit, as last told
         # contributions wait for the stage to agree on their state (the lease pool's)
         waiting: Callable[[], bool] | None = None,
         identity: bytes = b"",  # the node's key (NodeKey.libp2p_private_key)
@@ -93,6 +94,7 @@ class OuterLoop:
         self.accuse = accuse
         self.waiting = waiting
         self.attested = attested or (lambda: None)
+        self.credit = credit
         self.compute = compute
         self.peers = peers
         self.run_info = run
@@ -128,6 +130,7 @@ class OuterLoop:
         waiting: Callable[[], bool] | None = None,
         identity: bytes = b"",
         accuse: Callable[[str, int, str], None] | None = None,
+        credit: Callable[[], bytes] | None = None,
     ) -> OuterLoop:
         """The outer loop with a node's settings."""
         return cls(
@@ -136,6 +139,7 @@ class OuterLoop:
             snapshot=snapshot, on_state=on_state, announce_dht=announce_dht,
             checkpoint_dir=cfg.checkpoint_dir, events=events, on_replaced=on_replaced,
             attested=attested, waiting=waiting, identity=identity, accuse=accuse,
+            credit=credit,
         )  # fmt: skip
 
     def round_target(self) -> int:
@@ -212,6 +216,7 @@ class OuterLoop:
             target_tokens=self.round_target,
             events=self.events,
             attested=self.attested,
+            credit=self.credit,
             waiting=self.waiting,
             identity=self.identity,
             members=self.peers.stage_members,

@@ -59,6 +59,9 @@ class OuterRounds:
         target_tokens: Callable[[], int] | None = None,
         events: EventLog | None = None,
         attested: Callable[[], Attested] | None = None,
+        # this replica's signed credit as the coordinator last sent it (protocol.credit):
+        # its groupmates bound its token claim by it (b"": none)
+        credit: Callable[[], bytes] | None = None,
         # contributions wait for the stage to agree on the state that holds them (the
         # lease pool's held rounds): a drain runs one more round for them
         waiting: Callable[[], bool] | None = None,
@@ -78,6 +81,7 @@ class OuterRounds:
         # the stage's attested (round, digest) now, as the coordinator last said: a state
         # is fetched, and a round rebases, onto that one only (None: none known)
         self._attested_fn = attested or (lambda: None)
+        self._credit_fn = credit or (lambda: b"")
         self._target_fn = target_tokens  # a full round's tokens now (participation rule)
         self.compute = compute
         self.link = link
@@ -123,6 +127,7 @@ class OuterRounds:
         target_tokens: Callable[[], int] | None = None,
         events: EventLog | None = None,
         attested: Callable[[], Attested] | None = None,
+        credit: Callable[[], bytes] | None = None,
         waiting: Callable[[], bool] | None = None,
         identity: bytes = b"",
         members: Callable[[], list[str]] | None = None,
@@ -150,7 +155,7 @@ class OuterRounds:
             worker, compute, link, every_steps=every_steps, snapshot=snapshot,
             on_round=on_round, sole_replica=sole_replica, target_tokens=target_tokens,
             events=events, attested=attested, waiting=waiting, members=members, accuse=accuse,
-            tokens_mark=tokens_mark,
+            tokens_mark=tokens_mark, credit=credit,
         )  # fmt: skip
 
     @property
@@ -318,8 +323,9 @@ class OuterRounds:
         # otherwise reach theta_g one round later than the round that commits them.
         self.compute.step()
         self.link.begin_round(
-            self.compute.parameters(), tokens, target, self._attested_fn(), self._members_fn()
-        )
+            self.compute.parameters(), tokens, target, self._attested_fn(), self._members_fn(),
+            self._credit_fn(),
+        )  # fmt: skip
 
     async def _apply(self, result: RoundResult) -> None:
         mark, self._in_flight = self._in_flight, None

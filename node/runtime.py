@@ -167,7 +167,7 @@ class Node:
                         on_replaced=self._on_state_replaced, attested=self._attested,
                         waiting=lambda: self.pool.held > 0,
                         identity=self.client.key.libp2p_private_key(),
-                        accuse=self.client.accuse,
+                        accuse=self.client.accuse, credit=lambda: self.client.credit,
                     )  # fmt: skip
                     initial, self.initial = self.initial, None
                     await self.outer.start(initial=initial)

@@ -73,6 +73,7 @@ Admin calls carry `admin_token` and answer `OkReply` or `ErrorReply(code="forbid
 from __future__ import annotations
 
 from protocol.addrs import MAX_ADDRS, multiaddr_problem
+from protocol.credit import MAX_CREDIT_BYTES
 from protocol.message import Message, bounded, message, record
 
 __all__ = ["MAX_ADDRS"]  # re-exported: the bound of every address list below
@@ -342,6 +343,10 @@ class HeartbeatReply(Message):
     # reported (coordinator.attest); None while none is. Joiners, rebasing replicas and
     # the live export take only this state.
     attested: StateRef | None = None
+    # the coordinator's signed credit for this member (`protocol.credit`, encoded): the
+    # work others witnessed for it; it carries it into its outer rounds. b"": none (the
+    # witness check is off, or this member is an observer)
+    credit: bytes = bounded(max_len=MAX_CREDIT_BYTES, default=b"")
 
 
 @message("membership", version=1)

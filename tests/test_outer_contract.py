@@ -75,6 +75,7 @@ COMMANDS: list[c.Command] = [
     ),
     c.Begin(tokens=3, members=[KEY.peer_id, "QmOther"]),
     c.Begin(tokens=3, members=[]),
+    c.Begin(tokens=3, credit=b"\x81\xa1t\xa6credit"),
 ]
 REPLIES: list[c.Reply] = [
     c.Ready(addrs=["/ip4/127.0.0.1/tcp/5/p2p/Qm"], peer_id="QmPeer"),
@@ -202,6 +203,8 @@ def _with(msg: Any, **changes: Any) -> dict[str, Any]:
         (c.Begin, _with(COMMANDS[4], tokens=-1)),
         (c.Begin, _with(COMMANDS[4], target_tokens=None)),
         (c.Begin, {"op": "begin"}),
+        (c.Begin, _with(COMMANDS[4], credit="text")),
+        (c.Begin, _with(COMMANDS[4], credit=b"x" * 513)),
         (c.Stop, {"op": "stop", "extra": 1}),
         (c.Stop, {"op": "begin"}),
         (c.Peek, {"op": "peek", "waiting": 1}),

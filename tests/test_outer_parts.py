@@ -99,7 +99,7 @@ def test_gathered_metadata_is_checked() -> None:
     good = {
         "round": 3, "digest": "ab", "base_round": 2, "tokens": 10, "target": 40, "ref_norm": 1,
         "addrs": ["/ip4/10.0.0.2/tcp/4001"], "carry_round": 1, "carry_digest": "cd",
-        "carry_tokens": 20, "attested_round": 2, "attested_digest": "ef",
+        "carry_tokens": 20, "attested_round": 2, "attested_digest": "ef", "credit": b"",
     }  # fmt: skip
     assert checked_gathered(good) == {**good, "ref_norm": 1.0}
     assert checked_gathered({**good, "attested_round": -1, "attested_digest": ""})["round"] == 3
@@ -125,6 +125,8 @@ def test_gathered_metadata_is_checked() -> None:
         {**good, "attested_round": "2"},
         {**good, "attested_digest": 7},
         {**good, "attested_digest": "x" * 100},
+        {**good, "credit": "not bytes"},
+        {**good, "credit": b"x" * 513},
         {k: v for k, v in good.items() if k != "round"},
         "not a map",
     ):

@@ -30,6 +30,7 @@ from node.peer_view import PeerView
 from node.routing import Router
 from node.worker import TorchWorker
 from protocol.control import LeaseInfo, PeerInfo, RunInfo
+from protocol.credit import sign_credit
 from protocol.identity import NodeKey
 from protocol.lineage import Link
 from swarmlab.procs import wait_for
@@ -241,6 +242,45 @@ def test_members_that_tie_and_name_different_attested_states_do_not_split_the_st
         b.begin_round(trained(list(b.theta_g().clone().split(N // 2)), 40 + k), 100, attested=at0)
         ra, rb = a.wait_result(40), b.wait_result(40)
         assert ra.group_size == rb.group_size == 1, (k, ra, rb)
+
+
+def test_a_token_claim_counts_only_what_the_coordinators_credit_backs(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """Three replicas; each shows the credit a coordinator key signed for it. Two claim
+    6,000 tokens at 100 witnessed tokens/s; the third claims 10**6 at 50 tokens/s. The
+    group counts it at 2 x 50 x 60 s = 6,000 (not 4 x the median claim, 24,000): every
+    member's result names 18,000 tokens and one state."""
+    coordinator = NodeKey.generate()
+    keys = [NodeKey.generate() for _ in range(3)]
+    run = uuid.uuid4().hex[:8]
+    members = [k.peer_id for k in keys]
+    first = OuterLink.start(run_id=run, stage=0, numel=N, config=CFG, env=child_env,
+                            identity=keys[0].libp2p_private_key())  # fmt: skip
+    links.append(first)
+    reps = [first] + [
+        OuterLink.start(run_id=run, stage=0, numel=N, initial_peers=first.dht_addrs(),
+                        config=CFG, env=child_env, identity=k.libp2p_private_key())
+        for k in keys[1:]
+    ]  # fmt: skip
+    links.extend(reps[1:])
+    theta0 = params(0, 1.0)
+    reps[0].set_initial_state(theta0)
+    for r in reps[1:]:
+        assert r.fetch_state(timeout=15) == 0
+    claims, rates = (6000, 6000, 10**6), (100.0, 100.0, 50.0)
+    for attempt in range(4):  # until all three meet in one group (a pair may form first)
+        for i, r in enumerate(reps):
+            credit = sign_credit(coordinator, run=run, peer=members[i], stage=0, rate=rates[i],
+                                 issued_at=time.time())  # fmt: skip
+            mine = trained(list(r.theta_g().clone().split(N // 2)), 10 * attempt + i)
+            r.begin_round(mine, claims[i], members=members, credit=credit)
+        results = [r.wait_result(40) for r in reps]
+        if all(x.group_size == 3 for x in results):
+            break
+    assert all(x.group_size == 3 for x in results), results
+    assert [x.tokens for x in results] == [18000] * 3, results
+    assert len({x.digest for x in results}) == 1 and all(x.applied for x in results)
 
 
 def test_a_group_with_nothing_to_average_settles_on_the_canonical_state(

@@ -1,9 +1,10 @@
 """Claimed throughput checked against witnessed work (coordinator/witness.py): who may
 witness whom, a liar counted at its share of the work, young members capped by their
 stage, the property that a majority of honest replicas keeps every honest claim
-(hypothesis); then over the wire, against a real coordinator process: a member that
-claims a million tokens/s and does a quarter of its stage's work is counted at what the
-work backs."""
+(hypothesis), the signed credits the book issues; then over the wire, against a real
+coordinator process: a member that claims a million tokens/s and does a quarter of its
+stage's work is counted at what the work backs, and every member's credit, signed by
+the key derived from the coordinator's TLS key, names the rate witnessed for it."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from coordinator_harness import write_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.witness import MIN_MEASURED, Member, WitnessBook, witnesses
+from coordinator.membership import Peer
+from coordinator.tls import credit_key
+from coordinator.witness import CREDIT_REFRESH_S, MIN_MEASURED, Member, WitnessBook, witnesses
 from node.coordinator_client import ClientConfig, CoordinatorClient
 from protocol import control as c
+from protocol.credit import open_credit
 from protocol.identity import NodeKey
 from swarmlab.coordinator import start_coordinator
 
@@ -48,6 +52,36 @@ def test_who_witnesses_whom() -> None:
     assert w.rate("b", 100.0 + WINDOW + WINDOW / 8) == 0.0
     w.forget("b")
     assert w.rate("b", 100.0) == 0.0
+
+
+def member(peer_id: str, stage: int, joined_at: float, observer: bool = False) -> Peer:
+    return Peer(
+        peer_id=peer_id, public_key=b"", stage=stage, addrs=(), dht_addrs=(), device="cpu",
+        throughput=1.0, deadline=None, metrics_host=None, metrics_port=None,
+        fixed_stage=False, joined_at=joined_at, expires_at=joined_at + 60, observer=observer,
+    )  # fmt: skip
+
+
+def test_credits_name_the_rate_witnessed_over_the_time_a_member_was_measured() -> None:
+    key = NodeKey.generate()
+    w = book(key=key, run="r")  # type: ignore[arg-type]
+    stages = {"up": 0, "old": 1, "young": 1}
+    w.report("up", 0, [("old", 800), ("young", 200)], stage_of(stages), now=100.0)
+    old, young = member("old", 1, joined_at=0.0), member("young", 1, joined_at=80.0)
+    assert w.witnessed_rate("old", 0.0, 100.0) == 800 / WINDOW  # a whole window
+    assert w.witnessed_rate("young", 80.0, 100.0) == 200 / 20.0  # its own 20 s
+    assert w.witnessed_rate("young", 99.0, 100.0) == 200 / (WINDOW / 8)  # at least a bucket
+    first = w.credit(young, 100.0)
+    got = open_credit(first, "r")
+    assert (got.peer, got.stage, got.rate, got.key) == ("young", 1, 10.0, key.public_key)
+    # handed out again until it is CREDIT_REFRESH_S old, or the member moved
+    assert w.credit(young, 100.0 + CREDIT_REFRESH_S / 2) == first
+    assert open_credit(w.credit(young, 100.0 + CREDIT_REFRESH_S), "r").issued_at > 100.0
+    young.stage = 0
+    assert open_credit(w.credit(young, 101.0 + CREDIT_REFRESH_S), "r").stage == 0
+    assert open_credit(w.credit(old, 100.0), "r").rate == 800 / WINDOW
+    assert w.credit(member("obs", 2, 0.0, observer=True), 100.0) == b""
+    assert book().credit(old, 100.0) == b""  # no key: no credits
 
 
 def _stage_one(w: WitnessBook, work: dict[str, int], now: float) -> None:
@@ -146,6 +180,14 @@ def test_a_liar_over_the_wire_is_counted_at_what_its_work_backs(tmp_path: Path) 
                             break
                 # 100 + 100 + 100 + the liar at slack x its work: about 500 in all
                 assert 300.0 < status.stages[1].throughput < 700.0, status.stages[1]
+                # each credit names what stage 0 saw it do (100 tokens/s), signed by the
+                # coordinator's credit key, whatever the member claims
+                signer = credit_key(tmp_path / "c.sqlite.tls-key.pem").public_key
+                for cl in stage1:
+                    await cl.heartbeat()
+                    got = open_credit(cl.credit, status.run_id)
+                    assert (got.peer, got.stage, got.key) == (cl.peer_id, 1, signer)
+                    assert 50.0 < got.rate < 200.0, got
 
     try:
         trio.run(go)

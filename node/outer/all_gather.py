@@ -20,7 +20,6 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from node.diloco import Contribution, aggregate
-from node.outer.parts import group_claims
 from node.outer.round_book import RoundBook
 from node.outer.round_host import GroupRoundHost
 from node.outer.wire import decode_tensor
@@ -83,9 +82,7 @@ class AllGatherRounds(GroupRoundHost):
             received = dict(ex.received)
             received[self.peer_id] = own
             peers = list(group_info.peer_ids)
-            _head, stale, counted = group_claims(
-                [gathered[p] for p in peers], self._diloco.max_token_ratio
-            )
+            _head, stale, counted = self._group_claims(peers, gathered)
             order = [p for p in peers if p in received]
             contribs = [
                 Contribution(

@@ -94,6 +94,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         scheme: str = "reduce_scatter",
         announce: Sequence[str] = (),
         state_min_rate: float = 0.0,
+        credit_scope: tuple[str, int] | None = None,
         **kwargs: Any,
     ) -> None:
         if scheme not in AVERAGINGS:
@@ -105,6 +106,8 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         self._exchange_timeout = exchange_timeout
         self._state_provider = state_provider
         self._carry = carry
+        # (run id, stage) that groupmates' coordinator credits must name (node.outer.credit)
+        self._credit_scope = credit_scope
         # bytes/s a state source must keep on average once its first `next_chunk_timeout`
         # is over (0: no floor)
         self._state_min_rate = state_min_rate

@@ -53,6 +53,7 @@ from node.outer.contract_fields import (
 )
 from node.outer.settings import COMPRESSIONS, MAX_COUNT, DilocoConfig, OuterConfig
 from protocol.codec import packb
+from protocol.credit import MAX_CREDIT_BYTES
 from protocol.errors import ProtocolError
 from protocol.framing import frame
 from protocol.identity import is_libp2p_private_key
@@ -200,6 +201,9 @@ class Begin:
     # the peer ids the coordinator lists on this stage (this replica's among them): the
     # round forms a group with, and adopts state from, these only; None: anyone
     members: list[str] | None = None
+    # this replica's signed credit from the coordinator (protocol.credit, encoded), shown
+    # to its groupmates, who bound its token claim by it; b"": none
+    credit: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": self.OP, "tokens": self.tokens}
@@ -207,11 +211,16 @@ class Begin:
             out["target_tokens"] = self.target_tokens
         if self.members is not None:
             out["members"] = list(self.members)
+        if self.credit:
+            out["credit"] = self.credit
         return with_link(out, "attested", self.attested)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj, optional=("target_tokens", "attested", "members"))
+        d = fields_of(cls, obj, optional=("target_tokens", "attested", "members", "credit"))
+        credit = d.get("credit", b"")
+        if type(credit) is not bytes or len(credit) > MAX_CREDIT_BYTES:
+            raise ProtocolError(f"begin: credit must be at most {MAX_CREDIT_BYTES} bytes")
         target = None
         if "target_tokens" in d:
             target = int_of(d, "target_tokens", cls, lo=0, hi=MAX_COUNT)
@@ -219,7 +228,7 @@ class Begin:
         members = strs_of(d, "members", cls) if "members" in d else None
         return cls(
             tokens=tokens, target_tokens=target, attested=link_of(d, "attested", cls),
-            members=members,
+            members=members, credit=credit,
         )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from node.outer.settings import MAX_COUNT
 from protocol.codec import packb, unpackb
+from protocol.credit import MAX_CREDIT_BYTES
 from protocol.errors import ProtocolError
 from protocol.lineage import Link
 
@@ -34,7 +35,7 @@ MAX_DIGEST = 64  # characters in a hex digest
 NO_METADATA: dict[str, Any] = {
     "round": -1, "digest": "", "base_round": -1, "tokens": 0, "target": 0, "ref_norm": 0.0,
     "addrs": [], "carry_round": -1, "carry_digest": "", "carry_tokens": 0,
-    "attested_round": -1, "attested_digest": "",
+    "attested_round": -1, "attested_digest": "", "credit": b"",
 }  # fmt: skip
 K = TypeVar("K", bound=Hashable)  # how a caller names a group's members
 MAX_ADDRS = 16  # addresses a member announces in its gathered metadata
@@ -123,7 +124,8 @@ def checked_gathered(raw: Any) -> dict[str, Any]:
     participation rule's target tokens as it sees the stage, ref_norm, the multiaddrs
     its outer process listens on, without `/p2p/`, its carry: see `carried_view`, and
     the stage's attested state as it last heard, round -1 for none: see
-    `group_canonical`), or `NO_METADATA` when it is malformed."""
+    `group_canonical`, and its encoded credit, b"" for none: see `node.outer.credit`),
+    or `NO_METADATA` when it is malformed."""
     if type(raw) is not dict or set(raw) != set(NO_METADATA):
         return dict(NO_METADATA)
     ints = ("round", "base_round", "tokens", "target", "carry_round", "carry_tokens")
@@ -141,6 +143,8 @@ def checked_gathered(raw: Any) -> dict[str, Any]:
         if type(raw[key]) is not str or len(raw[key]) > MAX_DIGEST:
             return dict(NO_METADATA)
     if not addrs_ok(raw["addrs"]):
+        return dict(NO_METADATA)
+    if type(raw["credit"]) is not bytes or len(raw["credit"]) > MAX_CREDIT_BYTES:
         return dict(NO_METADATA)
     return {**raw, "ref_norm": norm}
 
@@ -250,7 +254,9 @@ def group_target(gathered: Sequence[dict[str, Any]], own: int) -> int:
 
 
 def group_claims(
-    gathered: Sequence[dict[str, Any]], max_token_ratio: float
+    gathered: Sequence[dict[str, Any]],
+    max_token_ratio: float,
+    caps: Sequence[int | None] | None = None,
 ) -> tuple[int, list[int], list[int]]:
     """What a group counts of its members' own claims (in `gathered`'s order), so that a
     minority cannot steer it: (head round, each member's staleness, each member's
@@ -261,7 +267,9 @@ def group_claims(
       one claim of round 2**62 dropped every honest contribution).
     - A member's tokens count up to `max_token_ratio` times the lower median of the
       positive claims: an inflated claim cannot outweigh the group (zero claims, e.g.
-      from a replica out of data, do not pull the cap down).
+      from a replica out of data, do not pull the cap down), and up to its entry of
+      `caps` (what the coordinator's credits back, `node.outer.credit.credit_caps`;
+      None: no bound).
     """
     if not gathered:
         return -1, [], []
@@ -271,6 +279,8 @@ def group_claims(
     positive = sorted(t for g in gathered if (t := int(g["tokens"])) > 0)
     cap = int(max_token_ratio * positive[(len(positive) - 1) // 2]) if positive else 0
     tokens = [min(int(g["tokens"]), cap) for g in gathered]
+    if caps is not None:
+        tokens = [t if c is None else min(t, c) for t, c in zip(tokens, caps, strict=True)]
     return head, staleness, tokens
 
 

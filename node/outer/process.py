@@ -194,6 +194,7 @@ class OuterProcess:
             state_provider=self.current_state,
             carry=self.carry,
             state_min_rate=self.cfg.min_rate_mb_s * 1e6,
+            credit_scope=(init.run_id, init.stage),
             scheme=self.cfg.averaging,
             target_group_size=self.cfg.target_group_size,
             min_group_size=2,
@@ -243,7 +244,7 @@ class OuterProcess:
         if isinstance(cmd, Begin):
             if cmd.target_tokens is not None:  # the participation rule's target (tokens)
                 self.cfg.diloco.target_tokens = cmd.target_tokens
-            return self.run_round(cmd.tokens, cmd.attested, cmd.members)
+            return self.run_round(cmd.tokens, cmd.attested, cmd.members, cmd.credit)
         if isinstance(cmd, Peek):
             return Peeked(waiting=self.peers_looking_for_group())
         raise ProtocolError(f"unexpected command {cmd!r:.200}")
@@ -337,7 +338,11 @@ class OuterProcess:
     # ---- a round ---------------------------------------------------------------------
 
     def run_round(
-        self, tokens: int, attested: Link | None = None, members: list[str] | None = None
+        self,
+        tokens: int,
+        attested: Link | None = None,
+        members: list[str] | None = None,
+        credit: bytes = b"",
     ) -> RoundResult | RoundFailed:
         t0 = time.monotonic()
         if self.state is None:
@@ -371,6 +376,9 @@ class OuterProcess:
             # most of them name (node.outer.parts.group_canonical)
             "attested_round": attested[0] if attested is not None else -1,
             "attested_digest": attested[1] if attested is not None else "",
+            # the coordinator's signed word on this replica's work: groupmates bound its
+            # tokens by it (node.outer.credit)
+            "credit": credit,
         }
         info: Any = None
         if members is not None and not set(members) - {self.dht.peer_id.to_base58()}:

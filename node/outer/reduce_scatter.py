@@ -38,7 +38,6 @@ from node.outer.parts import (
     audit_choice,
     decode_header,
     digest,
-    group_claims,
     group_ref_norm,
     own_entry_finding,
 )
@@ -211,10 +210,10 @@ class ReduceScatterRounds(GroupRoundHost):
         self, peers: list[PeerID], gathered: dict[PeerID, dict[str, Any]]
     ) -> dict[str, Any]:
         """What every member derives alike from the gathered metadata: each peer's owed
-        weight (tokens x staleness weight), counted tokens and staleness (`group_claims`),
+        weight (tokens x staleness weight), counted tokens and staleness (`_group_claims`),
         and the group's reference norm."""
         cfg = self._diloco
-        _head, stale, counted = group_claims([gathered[p] for p in peers], cfg.max_token_ratio)
+        _head, stale, counted = self._group_claims(peers, gathered)
         staleness = dict(zip(peers, stale, strict=True))
         tokens = dict(zip(peers, counted, strict=True))
         owed = {

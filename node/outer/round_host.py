@@ -15,6 +15,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from node.diloco import DilocoConfig
+from node.outer.credit import credit_caps, credited_rates
+from node.outer.parts import group_claims
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,24 @@ class GroupRoundHost:
     _wire: CompressionBase
     _diloco: DilocoConfig
     _exchange_timeout: float  # s: the most one round's exchange may take
+    # (run id, stage) that members' credits must name; None: credits are not read
+    _credit_scope: tuple[str, int] | None
     get_stub: Any  # hivemind's ServicerBase.get_stub (a classmethod)
+
+    def _group_claims(
+        self, peers: list[PeerID], gathered: dict[PeerID, dict[str, Any]]
+    ) -> tuple[int, list[int], list[int]]:
+        """`node.outer.parts.group_claims` over `peers`, each member's tokens bounded by
+        what its coordinator credit backs (`node.outer.credit`)."""
+        metas = [gathered[p] for p in peers]
+        caps = None
+        if self._credit_scope is not None and self._diloco.credit_slack > 0:
+            run, stage = self._credit_scope
+            names = [p.to_base58() for p in peers]
+            rates = credited_rates([g["credit"] for g in metas], names, run=run, stage=stage)
+            claims = [int(g["tokens"]) for g in metas]
+            caps = credit_caps(claims, rates, self._diloco.credit_slack)
+        return group_claims(metas, self._diloco.max_token_ratio, caps)
 
     async def _dial_group(self, gathered: dict[PeerID, dict[str, Any]], timeout: float) -> None:
         """Dial the groupmates whose peer ids sort after ours at the addresses they

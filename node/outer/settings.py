@@ -53,6 +53,10 @@ class DilocoConfig:
     clip_rel: float = 2.0
     # a member's claimed tokens count up to this x the group's median claim (dimensionless)
     max_token_ratio: float = 4.0
+    # ... and, where the coordinator's credits measure the group, up to this x what its
+    # credit backs: its witnessed tokens/s x the group's median claim per witnessed
+    # token/s (`node.outer.credit`) (dimensionless); 0 = credits are not read
+    credit_slack: float = 2.0
     # two usable contributions to a reduced part (no majority to take a median of): the
     # reducer rejects the other's when its norm passes this x its own, times their token
     # ratio when the other claims more (dimensionless); 0 = no norm bound
@@ -86,6 +90,10 @@ class DilocoConfig:
             )
         if self.max_token_ratio < 1.0:
             raise ValueError(f"max_token_ratio must be >= 1, got {self.max_token_ratio}")
+        if not (self.credit_slack == 0.0 or 1.0 <= self.credit_slack <= 1e6):
+            raise ValueError(
+                f"credit_slack must be 0 (off) or in [1, 1e6], got {self.credit_slack}"
+            )
         if not 0.0 <= self.clip_rel <= 1e6:
             raise ValueError(f"clip_rel must be in [0, 1e6], got {self.clip_rel}")
         if not (0.0 <= self.pair_max_ratio <= 1e6 and 0.0 <= self.pair_cos_sigmas <= 1e6):
