@@ -21,9 +21,11 @@ as the stage before it saw them, and stage 0's forwards as stage 1 served them.
 - A stage with fewer measured replicas is not checked: a median of two is either one.
 
 The book also issues each member's credit (`protocol.credit`): the rate others witnessed
-for it over the part of the window it was measured in, signed, re-signed at most every
-`CREDIT_REFRESH_S` or a bucket (a heartbeat reply carries it; groupmates bound its
-outer-loop token claim by it, node.outer.credit).
+for it over the part of the window it was measured in, signed (a heartbeat reply
+carries it; groupmates bound its outer-loop token claim by it, node.outer.credit). The
+rate moves at most once a bucket, so a credit is re-signed at most once a bucket, and
+only when its rate changed or it is `CREDIT_HOLD_S` old: an ed25519 signature costs
+about a third of a heartbeat's CPU, and most heartbeats reuse the last one.
 
 What it does not stop: members that witness for each other (a Sybil on stage 0 and one
 on stage 1) can back each other's claims; a minority of them cannot move a stage's
@@ -48,7 +50,9 @@ if TYPE_CHECKING:  # the coordinator's types, read here, never built
 
 BUCKETS = 8  # time buckets per window
 MIN_MEASURED = 3  # measured replicas a stage needs before its claims are checked
-CREDIT_REFRESH_S = 10.0  # seconds a member's signed credit is handed out before re-signing
+# seconds an unchanged credit is handed out before it is signed anew (well inside the
+# age a group still counts: node.outer.credit.MAX_CREDIT_AGE_S, 300 s)
+CREDIT_HOLD_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,16 @@ class Member:
     stage: int
     joined_at: float  # unix seconds
     claim: float  # its claimed throughput (tokens/s)
+
+
+@dataclass(frozen=True, slots=True)
+class Issued:
+    """The credit a member's heartbeats get, and what it says."""
+
+    at: float  # unix seconds at signing
+    stage: int
+    rate: float  # tokens/s witnessed
+    data: bytes  # the encoded, signed credit
 
 
 def witnesses(reporter_stage: int, peer_stage: int) -> bool:
@@ -97,8 +111,7 @@ class WitnessBook:
         self._seen: dict[str, dict[int, int]] = {}
         self._stage_median: dict[int, float] = {}  # stage -> median counted (last recount)
         self.tokens_total = 0  # witnessed tokens taken since the start
-        # member -> (signed at, stage, encoded credit): the credit its heartbeats get
-        self._issued: dict[str, tuple[float, int, bytes]] = {}
+        self._issued: dict[str, Issued] = {}  # member -> the credit its heartbeats get
 
     @classmethod
     def from_config(
@@ -197,20 +210,25 @@ class WitnessBook:
         return self.rate(peer, now) * self.window_s / measured
 
     def credit(self, peer: Peer, now: float) -> bytes:
-        """`peer`'s signed credit (`protocol.credit`), re-signed when the one issued is
-        `CREDIT_REFRESH_S` (or a bucket) old or names another stage; b"" for an observer, or without a
-        key."""
+        """`peer`'s signed credit (`protocol.credit`): the one issued last while it is
+        younger than a bucket, or names the rate and stage of now and is younger than
+        `CREDIT_HOLD_S`; else a new one. b"" for an observer, or without a key."""
         if peer.observer or self.key is None:
             return b""
         issued = self._issued.get(peer.peer_id)
-        fresh_s = min(CREDIT_REFRESH_S, self._bucket_s)  # the rate moves once a bucket
-        if issued is not None and now - issued[0] < fresh_s and issued[1] == peer.stage:
-            return issued[2]
-        rate = self.witnessed_rate(peer.peer_id, peer.joined_at, now)
+        if issued is not None and issued.stage == peer.stage:
+            age = now - issued.at
+            if age < self._bucket_s:
+                return issued.data
+            rate = self.witnessed_rate(peer.peer_id, peer.joined_at, now)
+            if age < CREDIT_HOLD_S and rate == issued.rate:
+                return issued.data
+        else:
+            rate = self.witnessed_rate(peer.peer_id, peer.joined_at, now)
         data = sign_credit(
             self.key, run=self.run, peer=peer.peer_id, stage=peer.stage, rate=rate, issued_at=now
         )
-        self._issued[peer.peer_id] = (now, peer.stage, data)
+        self._issued[peer.peer_id] = Issued(at=now, stage=peer.stage, rate=rate, data=data)
         return data
 
     def counted(self, members: Iterable[Member], now: float) -> Iterator[tuple[str, float]]:

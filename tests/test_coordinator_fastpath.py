@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from coordinator.fastpath import BodyCache
 from protocol import control as c
 from protocol.codec import schema_limits
+from protocol.credit import MAX_CREDIT_BYTES
 from protocol.errors import ProtocolError
 from protocol.framing import HEADER, frame_message
 from protocol.identity import PUBLIC_KEY_SIZE, SIGNATURE_SIZE, NodeKey
@@ -163,6 +164,7 @@ def heartbeat_reply_wire(r: c.HeartbeatReply) -> dict[str, Any]:
         "membership_version": r.membership_version, "data_epoch": r.data_epoch, "freed": r.freed,
         "attested": None if r.attested is None
         else {"round": r.attested.round, "digest": r.attested.digest},
+        "credit": r.credit,
     }  # fmt: skip
 
 
@@ -201,6 +203,7 @@ refs = st.lists(
         data_epoch=st.integers(min_value=0, max_value=2**31),
         freed=st.integers(min_value=0, max_value=2**31),
         attested=state_refs,
+        credit=st.binary(max_size=MAX_CREDIT_BYTES),
     )
 )
 def test_heartbeat_reply_frames_are_byte_identical(reply: c.HeartbeatReply) -> None:

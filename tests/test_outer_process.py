@@ -326,12 +326,12 @@ def test_an_outer_process_whose_stage_process_died_exits_with_all_its_helpers(
     and averager processes and their p2p daemons (one process group) are all gone soon
     after, and the shared buffers are unlinked."""
     code = (
-        "import time\n"
+        "import signal\n"
         "from node.outer_link import OuterConfig, OuterLink\n"
         "link = OuterLink.start(run_id='orphan', stage=0, numel=64, initial_peers=[],"
         " config=OuterConfig())\n"
         "print(link.pid, flush=True)\n"
-        "time.sleep(600)\n"
+        "signal.pause()  # until the test's SIGKILL\n"
     )
     stage = subprocess.Popen(
         [sys.executable, "-c", code], env=child_env, stdout=subprocess.PIPE, text=True

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from coordinator.membership import Peer
 from coordinator.tls import credit_key
-from coordinator.witness import CREDIT_REFRESH_S, MIN_MEASURED, Member, WitnessBook, witnesses
+from coordinator.witness import CREDIT_HOLD_S, MIN_MEASURED, Member, WitnessBook, witnesses
 from node.coordinator_client import ClientConfig, CoordinatorClient
 from protocol import control as c
 from protocol.credit import open_credit
@@ -74,12 +74,19 @@ def test_credits_name_the_rate_witnessed_over_the_time_a_member_was_measured() -
     first = w.credit(young, 100.0)
     got = open_credit(first, "r")
     assert (got.peer, got.stage, got.rate, got.key) == ("young", 1, 10.0, key.public_key)
-    # handed out again until it is CREDIT_REFRESH_S old, or the member moved
-    assert w.credit(young, 100.0 + CREDIT_REFRESH_S / 2) == first
-    assert open_credit(w.credit(young, 100.0 + CREDIT_REFRESH_S), "r").issued_at > 100.0
+    # handed out again for a bucket; then re-signed when its rate moved (a young
+    # member's measured time grows), or when it is CREDIT_HOLD_S old, or names a stage
+    # the member left
+    bucket = WINDOW / 8
+    assert w.credit(young, 100.0 + bucket / 2) == first
+    assert open_credit(w.credit(young, 100.0 + bucket), "r").rate == 200 / (20.0 + bucket)
+    settled = w.credit(old, 100.0)
+    assert open_credit(settled, "r").rate == 800 / WINDOW
+    assert w.credit(old, 100.0 + 2 * bucket) == settled  # same rate: the same credit
+    later = w.credit(old, 100.0 + CREDIT_HOLD_S)
+    assert later != settled and open_credit(later, "r").issued_at == 100.0 + CREDIT_HOLD_S
     young.stage = 0
-    assert open_credit(w.credit(young, 101.0 + CREDIT_REFRESH_S), "r").stage == 0
-    assert open_credit(w.credit(old, 100.0), "r").rate == 800 / WINDOW
+    assert open_credit(w.credit(young, 101.0 + bucket), "r").stage == 0
     assert w.credit(member("obs", 2, 0.0, observer=True), 100.0) == b""
     assert book().credit(old, 100.0) == b""  # no key: no credits
 

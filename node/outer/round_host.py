@@ -46,9 +46,12 @@ class GroupRoundHost:
             run, stage = self._credit_scope
             names = [p.to_base58() for p in peers]
             rates = credited_rates([g["credit"] for g in metas], names, run=run, stage=stage)
-            claims = [int(g["tokens"]) for g in metas]
-            caps = credit_caps(claims, rates, self._diloco.credit_slack)
-        return group_claims(metas, self._diloco.max_token_ratio, caps)
+            caps = credit_caps([int(g["tokens"]) for g in metas], rates, self._diloco.credit_slack)
+        head, stale, counted = group_claims(metas, self._diloco.max_token_ratio, caps)
+        for p, g, n, cap in zip(peers, metas, counted, caps or [None] * len(peers), strict=True):
+            if cap is not None and n == cap < int(g["tokens"]):
+                log.info("credit: %s counts %d of the %d tokens it claims", p, n, g["tokens"])
+        return head, stale, counted
 
     async def _dial_group(self, gathered: dict[PeerID, dict[str, Any]], timeout: float) -> None:
         """Dial the groupmates whose peer ids sort after ours at the addresses they
