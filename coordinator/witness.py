@@ -25,7 +25,8 @@ for it over the part of the window it was measured in, signed (a heartbeat reply
 carries it; groupmates bound its outer-loop token claim by it, node.outer.credit). The
 rate moves at most once a bucket, so a credit is re-signed at most once a bucket, and
 only when its rate changed or it is `CREDIT_HOLD_S` old: an ed25519 signature costs
-about a third of a heartbeat's CPU, and most heartbeats reuse the last one.
+about a third of a heartbeat's CPU, and most heartbeats reuse the last one. A member
+nothing was witnessed for gets no credit (groups read that as a rate of 0).
 
 What it does not stop: members that witness for each other (a Sybil on stage 0 and one
 on stage 1) can back each other's claims; a minority of them cannot move a stage's
@@ -212,19 +213,22 @@ class WitnessBook:
     def credit(self, peer: Peer, now: float) -> bytes:
         """`peer`'s signed credit (`protocol.credit`): the one issued last while it is
         younger than a bucket, or names the rate and stage of now and is younger than
-        `CREDIT_HOLD_S`; else a new one. b"" for an observer, or without a key."""
+        `CREDIT_HOLD_S`; else a new one. b"" for an observer, for a member nothing was
+        witnessed for (a member without a credit counts as one with a rate of 0), or
+        without a key."""
         if peer.observer or self.key is None:
             return b""
         issued = self._issued.get(peer.peer_id)
-        if issued is not None and issued.stage == peer.stage:
-            age = now - issued.at
-            if age < self._bucket_s:
-                return issued.data
-            rate = self.witnessed_rate(peer.peer_id, peer.joined_at, now)
-            if age < CREDIT_HOLD_S and rate == issued.rate:
-                return issued.data
-        else:
-            rate = self.witnessed_rate(peer.peer_id, peer.joined_at, now)
+        if issued is not None and issued.stage != peer.stage:
+            issued = None
+        if issued is not None and now - issued.at < self._bucket_s:
+            return issued.data
+        rate = self.witnessed_rate(peer.peer_id, peer.joined_at, now)
+        if rate <= 0.0:  # nothing witnessed: nothing to credit (groups read no credit so)
+            self._issued.pop(peer.peer_id, None)
+            return b""
+        if issued is not None and rate == issued.rate and now - issued.at < CREDIT_HOLD_S:
+            return issued.data
         data = sign_credit(
             self.key, run=self.run, peer=peer.peer_id, stage=peer.stage, rate=rate, issued_at=now
         )

@@ -80,14 +80,20 @@ def test_credits_name_the_rate_witnessed_over_the_time_a_member_was_measured() -
     bucket = WINDOW / 8
     assert w.credit(young, 100.0 + bucket / 2) == first
     assert open_credit(w.credit(young, 100.0 + bucket), "r").rate == 200 / (20.0 + bucket)
-    settled = w.credit(old, 100.0)
-    assert open_credit(settled, "r").rate == 800 / WINDOW
-    assert w.credit(old, 100.0 + 2 * bucket) == settled  # same rate: the same credit
-    later = w.credit(old, 100.0 + CREDIT_HOLD_S)
-    assert later != settled and open_credit(later, "r").issued_at == 100.0 + CREDIT_HOLD_S
+    assert open_credit(w.credit(old, 100.0), "r").rate == 800 / WINDOW
+    # a rate that stays: the same credit past a bucket, a new one at CREDIT_HOLD_S
+    long = book(window_s=4 * CREDIT_HOLD_S, started=-1e4, key=key, run="r")  # type: ignore[arg-type]
+    veteran = member("old", 1, joined_at=-1e4)  # measured for a whole window
+    long.report("up", 0, [("old", 800)], stage_of(stages), now=100.0)
+    settled = long.credit(veteran, 100.0)
+    assert long.credit(veteran, 100.0 + CREDIT_HOLD_S - 1) == settled  # past a bucket
+    later = open_credit(long.credit(veteran, 100.0 + CREDIT_HOLD_S), "r")
+    assert later.issued_at == 100.0 + CREDIT_HOLD_S
+    assert later.rate == open_credit(settled, "r").rate == 800 / (4 * CREDIT_HOLD_S)
     young.stage = 0
     assert open_credit(w.credit(young, 101.0 + bucket), "r").stage == 0
     assert w.credit(member("obs", 2, 0.0, observer=True), 100.0) == b""
+    assert w.credit(member("idle", 1, 0.0), 100.0) == b""  # nothing witnessed
     assert book().credit(old, 100.0) == b""  # no key: no credits
 
 
