@@ -56,9 +56,10 @@ def test_a_credit_backs_slack_times_the_groups_seconds_of_work() -> None:
     # a member with no counting credit, or nothing witnessed: the lower median claim
     assert credit_caps([6000, 5000, 10**15], [100.0, 100.0, None], 2.0)[2] == 6000
     assert credit_caps([6000, 5000, 10**15], [100.0, 100.0, 0.0], 2.0)[2] == 6000
-    # nobody witnessed (one stage), or the check off: claims stand
-    assert credit_caps([6000, 10**15], [None, 0.0], 2.0) == [None, None]
-    assert credit_caps([6000, 10**15], [100.0, 50.0], 0.0) == [None, None]
+    # nobody witnessed (one stage), a pair, or the check off: claims stand
+    assert credit_caps([6000, 10**15, 10], [None, 0.0, None], 2.0) == [None] * 3
+    assert credit_caps([6000, 10**15], [100.0, 50.0], 2.0) == [None, None]
+    assert credit_caps([6000, 6000, 10**15], [100.0, 100.0, 50.0], 0.0) == [None] * 3
     # one liar in three, through group_claims: capped at twice its work, below 4 x median
     gathered = [{"round": 1, "base_round": 1, "tokens": t} for t in (6000, 6000, 10**15)]
     caps = credit_caps([6000, 6000, 10**15], [100.0, 100.0, 50.0], 2.0)
@@ -69,6 +70,7 @@ def test_a_credit_backs_slack_times_the_groups_seconds_of_work() -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     honest=st.lists(st.floats(1.0, 1e6), min_size=2, max_size=8),  # witnessed tokens/s
+    third=st.floats(1.0, 1e6),  # an honest member more: a group of at least 3
     seconds=st.floats(1.0, 600.0),  # what an honest round's claim stands for
     jitter=st.lists(st.floats(0.5, 2.0), min_size=8, max_size=8),  # witness noise
     liars=st.lists(st.tuples(st.integers(0, 2**62), st.floats(0.0, 1e6)), max_size=7),
@@ -76,8 +78,9 @@ def test_a_credit_backs_slack_times_the_groups_seconds_of_work() -> None:
 )
 def test_with_an_honest_majority_a_liar_counts_at_most_slack_times_its_work(
     honest: list[float], seconds: float, jitter: list[float],
-    liars: list[tuple[int, float]], slack: float,
+    liars: list[tuple[int, float]], slack: float, third: float,
 ) -> None:  # fmt: skip
+    honest = [*honest, third][:8]
     liars = liars[: len(honest) - 1]
     # honest claims stand for `seconds` of their witnessed rate, within a factor 2
     claims = [max(1, int(r * seconds * j)) for r, j in zip(honest, jitter, strict=False)]

@@ -67,19 +67,21 @@ def test_credits_name_the_rate_witnessed_over_the_time_a_member_was_measured() -
     w = book(key=key, run="r")  # type: ignore[arg-type]
     stages = {"up": 0, "old": 1, "young": 1}
     w.report("up", 0, [("old", 800), ("young", 200)], stage_of(stages), now=100.0)
-    old, young = member("old", 1, joined_at=0.0), member("young", 1, joined_at=80.0)
+    old, young = member("old", 1, joined_at=0.0), member("young", 1, joined_at=50.0)
     assert w.witnessed_rate("old", 0.0, 100.0) == 800 / WINDOW  # a whole window
-    assert w.witnessed_rate("young", 80.0, 100.0) == 200 / 20.0  # its own 20 s
+    assert w.witnessed_rate("young", 50.0, 100.0) == 200 / 50.0  # its own 50 s
     assert w.witnessed_rate("young", 99.0, 100.0) == 200 / (WINDOW / 8)  # at least a bucket
+    # measured for less than half a window: its witnessed work lags too much to credit
+    assert w.credit(member("young", 1, joined_at=70.0), 100.0) == b""
     first = w.credit(young, 100.0)
     got = open_credit(first, "r")
-    assert (got.peer, got.stage, got.rate, got.key) == ("young", 1, 10.0, key.public_key)
+    assert (got.peer, got.stage, got.rate, got.key) == ("young", 1, 4.0, key.public_key)
     # handed out again for a bucket; then re-signed when its rate moved (a young
     # member's measured time grows), or when it is CREDIT_HOLD_S old, or names a stage
     # the member left
     bucket = WINDOW / 8
     assert w.credit(young, 100.0 + bucket / 2) == first
-    assert open_credit(w.credit(young, 100.0 + bucket), "r").rate == 200 / (20.0 + bucket)
+    assert open_credit(w.credit(young, 100.0 + bucket), "r").rate == 200 / (50.0 + bucket)
     assert open_credit(w.credit(old, 100.0), "r").rate == 800 / WINDOW
     # a rate that stays: the same credit past a bucket, a new one at CREDIT_HOLD_S
     long = book(window_s=4 * CREDIT_HOLD_S, started=-1e4, key=key, run="r")  # type: ignore[arg-type]

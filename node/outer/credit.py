@@ -17,8 +17,9 @@ checked by each contributor and the audit):
   A member counts at most `slack` x its witnessed rate x the lower median of that
   ratio over the members whose credits count; a member without a counting credit (or
   with nothing witnessed) while others have one counts at most the lower median claim.
-  When no member's work was witnessed (one stage, nobody routes to anyone) claims stand
-  as before, capped only by `max_token_ratio` (`node.outer.parts.group_claims`).
+  When no member's work was witnessed (one stage, nobody routes to anyone), or the
+  group is a pair (`MIN_GROUP`), claims stand as before, capped only by
+  `max_token_ratio` (`node.outer.parts.group_claims`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from protocol.credit import Credit, open_credit
 from protocol.errors import ProtocolError
 
 MAX_CREDIT_AGE_S = 300.0  # seconds a counted credit may be older than the group's median
+# members a group needs before credits bound its claims: in a pair, a liar that shows a
+# credit signed by its own key leaves no key with a majority, so a pair's credits could
+# only ever bound honest members (the pair rule bounds a pair: node.diloco.pair_problem)
+MIN_GROUP = 3
 
 
 def credited_rates(
@@ -59,10 +64,10 @@ def credit_caps(
     claims: Sequence[int], rates: Sequence[float | None], slack: float
 ) -> list[int | None]:
     """The most tokens each member's claim (`claims`) counts by its credit (`rates`, from
-    `credited_rates`), None where nothing bounds it: every entry when no member's work
-    was witnessed, or `slack` is 0 (off)."""
+    `credited_rates`), None where nothing bounds it: every entry in a group smaller than
+    `MIN_GROUP`, when no member's work was witnessed, or `slack` is 0 (off)."""
     per_rate = sorted(t / r for t, r in zip(claims, rates, strict=True) if r and t > 0)
-    if slack == 0.0 or not per_rate:
+    if slack == 0.0 or not per_rate or len(claims) < MIN_GROUP:
         return [None] * len(claims)
     seconds = per_rate[(len(per_rate) - 1) // 2]  # what a claim stands for, per token/s
     positive = sorted(t for t in claims if t > 0)
