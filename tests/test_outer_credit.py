@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from node.outer.credit import MAX_CREDIT_AGE_S, credit_caps, credited_rates
 from node.outer.parts import group_claims
+from node.outer.settings import MAX_COUNT
 from protocol.credit import sign_credit
 from protocol.identity import NodeKey
 
@@ -56,6 +57,9 @@ def test_a_credit_backs_slack_times_the_groups_seconds_of_work() -> None:
     # a member with no counting credit, or nothing witnessed: the lower median claim
     assert credit_caps([6000, 5000, 10**15], [100.0, 100.0, None], 2.0)[2] == 6000
     assert credit_caps([6000, 5000, 10**15], [100.0, 100.0, 0.0], 2.0)[2] == 6000
+    # rates so small that claim / rate overflows: a cap of MAX_COUNT, never an error
+    tiny = [5e-324, 5e-324, 100.0]
+    assert credit_caps([6000, 6000, 6000], tiny, 2.0) == [MAX_COUNT] * 3
     # nobody witnessed (one stage), a pair, or the check off: claims stand
     assert credit_caps([6000, 10**15, 10], [None, 0.0, None], 2.0) == [None] * 3
     assert credit_caps([6000, 10**15], [100.0, 50.0], 2.0) == [None, None]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from node.outer.settings import MAX_COUNT
 from protocol.credit import Credit, open_credit
 from protocol.errors import ProtocolError
 
@@ -72,4 +73,5 @@ def credit_caps(
     seconds = per_rate[(len(per_rate) - 1) // 2]  # what a claim stands for, per token/s
     positive = sorted(t for t in claims if t > 0)
     median_claim = positive[(len(positive) - 1) // 2]
-    return [int(slack * r * seconds) if r else median_claim for r in rates]
+    # a cap past MAX_COUNT bounds nothing (and a non-finite one must not reach int())
+    return [int(min(slack * r * seconds, MAX_COUNT)) if r else median_claim for r in rates]
