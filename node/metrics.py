@@ -47,6 +47,11 @@ OUTER_STATE_BYTES = Counter(
 )
 for _direction in ("in", "out"):  # both series exist from the start (scraped as 0)
     OUTER_STATE_BYTES.labels(_direction)
+OUTER_RECORDS_REFUSED = Counter(
+    "agora_node_outer_dht_records_refused_total",
+    "Records the outer loop's DHT refused to store or believe: unsigned, signed by"
+    " another peer than the one they name, or of a peer not listed on the stage",
+)
 STAGE = Gauge("agora_node_stage", "Pipeline stage this node serves")
 DEVICE_PEAK = Gauge(
     "agora_node_device_peak_bytes", "Peak GPU memory the stage allocated (0 on the CPU)"

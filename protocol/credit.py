@@ -20,10 +20,10 @@ from protocol.codec import UnpackLimits, decode, encode
 from protocol.errors import ProtocolError
 from protocol.identity import PUBLIC_KEY_SIZE, SIGNATURE_SIZE, NodeKey, verify_signature
 from protocol.message import Message, bounded, message
+from protocol.signing import MAX_RUN_ID
 
 MAX_CREDIT_BYTES = 512  # bytes of an encoded credit (about 200 today)
 MAX_PEER_CHARS = 128  # characters of the peer id a credit names
-MAX_RUN_BYTES = 128  # bytes of the run id in the signed bytes
 MAX_RATE = 1e12  # tokens/s: the largest rate a credit may name (as a throughput claim)
 _DOMAIN = b"agora/credit/v1\0"
 
@@ -42,7 +42,7 @@ def credit_bytes(run: str, peer: str, stage: int, rate: float, issued_at: float)
     """The bytes a credit's signature covers: the run, so a credit of one run is worth
     nothing in another, and every field but the signer's key."""
     scope, who = run.encode(), peer.encode()
-    if len(scope) > MAX_RUN_BYTES or len(who) > MAX_PEER_CHARS:
+    if len(scope) > MAX_RUN_ID or len(who) > MAX_PEER_CHARS:
         raise ProtocolError(f"run id ({len(scope)} bytes) or peer id ({len(who)}) too long")
     return (
         _DOMAIN + bytes([len(scope)]) + scope + bytes([len(who)]) + who

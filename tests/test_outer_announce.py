@@ -1,7 +1,8 @@
 """A replica declares where its outer DHT listens beside its state-sharing priority
 (`<prefix>.addrs`), so a replica that downloads state from it can dial it even when its
-p2p daemon has never met it ("routing: not found"). Read back from the DHT by a plain
-hivemind client in a child process (hivemind and libp2p do not share a process, and
+p2p daemon has never met it ("routing: not found"). Read back from the DHT by a hivemind
+client (with the record validator, which checks and strips the replica's signature) in a
+child process (hivemind and libp2p do not share a process, and
 this test session imports libp2p)."""
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ link = OuterLink.start(run_id=run, stage=0, numel=64, initial_peers=[], config=c
 try:
     link.set_initial_state([torch.zeros(64)])
     from hivemind import DHT
-    dht = DHT(initial_peers=link.dht_addrs(), start=True, client_mode=True)
+    from node.outer.dht_records import MemberRecords
+    from protocol.identity import NodeKey
+    # a replica's records carry its signature: a reader checks and strips it
+    dht = DHT(initial_peers=link.dht_addrs(), start=True, client_mode=True,
+              record_validators=[MemberRecords(NodeKey.generate())])
     deadline = time.monotonic() + 30
     found = {}
     while not found and time.monotonic() < deadline:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from node.outer import contract as c
 from node.outer.contract_fields import MAX_TEXT
+from node.outer.settings import MAX_RECORD_AHEAD_S
 from node.outer_link import OuterLink, OuterLinkError, _create_private
 from protocol.codec import packb
 from protocol.errors import ProtocolError
@@ -99,6 +100,7 @@ REPLIES: list[c.Reply] = [
         lineage=[(0, "00"), (1, "0123456789abcdef")],
         agreed=(0, "00"),
         accused={"QmOther": "part 1: non-finite values"},
+        records_refused=3,
     ),
     c.RoundFailed(error="no state: call set_state or fetch_state first"),
     c.Fatal(error="RuntimeError: boom"),
@@ -441,3 +443,11 @@ def test_shared_memory_files_are_private_and_never_an_existing_name(tmp_path: Pa
     with pytest.raises(OSError):
         _create_private(tmp_path / "link", 16)  # a planted link is not followed
     assert not (tmp_path / "target").exists()
+
+
+def test_a_matchmaking_window_that_outlives_the_dht_record_bound_is_refused() -> None:
+    """A matchmaking declaration lives about twice the window; peers refuse DHT records
+    that expire more than MAX_RECORD_AHEAD_S ahead (node.outer.dht_records)."""
+    c.OuterConfig(matchmaking_s=MAX_RECORD_AHEAD_S / 2 - 1.0)
+    with pytest.raises(ValueError, match="matchmaking_s"):
+        c.OuterConfig(matchmaking_s=MAX_RECORD_AHEAD_S / 2)

@@ -40,7 +40,10 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.streaming import split_for_streaming
 from node.diloco import DilocoConfig
 from node.outer.averager import StageAverager as Honest
+from node.outer.dht_records import MemberRecords
+from node.outer.lifecycle import identity_file
 from node.outer.wire import compression
+from protocol.identity import NodeKey
 
 run, mode, n, rnd = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 peers = sys.argv[5:]
@@ -70,8 +73,12 @@ class StageAverager(Honest):  # the class name is part of hivemind's rpc protoco
             yield averaging_pb2.DownloadData(
                 tensor_part=type(head)(buffer=bytes(64 * 1024)))
 
-dht = DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
-          await_ready=True)
+key = NodeKey.generate()  # signs its DHT records (the joiner, with no member list yet,
+records = MemberRecords(key)  # takes any correctly signed record: node.outer.dht_records)
+with identity_file(key.libp2p_private_key()) as path:
+    dht = DHT(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=path,
+              check_if_identity_free=False, record_validators=[records], start=True,
+              await_ready=True)
 av = StageAverager(torch.zeros(n), dht, prefix=prefix, wire_compression=compression("none"),
            diloco=DilocoConfig(), exchange_timeout=4.0, state_provider=state,
            target_group_size=4, min_group_size=2, allow_state_sharing=True,

@@ -381,6 +381,10 @@ class RoundResult:
     # replica took since it last held a group's state (`node.outer.parts.carried_view`):
     # their training is in the state now held though their own states are not
     carried: bool = False
+    # DHT records this replica's DHT refused since the last result (counted as each
+    # round begins): unsigned, signed by another peer than the one they name, or of a
+    # peer not listed on the stage (node.outer.dht_records)
+    records_refused: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         out = {
@@ -393,7 +397,7 @@ class RoundResult:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj, optional=("agreed", "accused", "carried"))
+        d = fields_of(cls, obj, optional=("agreed", "accused", "carried", "records_refused"))
         rejected = _reasons(d["rejected"], "rejected")
         accused = _reasons(d.get("accused", {}), "accused")
         return cls(
@@ -416,6 +420,9 @@ class RoundResult:
             agreed=link_of(d, "agreed", cls),
             accused=accused,
             carried=bool_of(d, "carried") if "carried" in d else False,
+            records_refused=int_of(d, "records_refused", cls, lo=0, hi=MAX_COUNT)
+            if "records_refused" in d
+            else 0,
         )
 
 

@@ -1,5 +1,5 @@
-"""The outer process's dealings with the operating system: the node's key in a private
-file for the p2p daemon, and exiting at once with the whole process group when the
+"""The outer process's dealings with the operating system: the node's key (and a private
+file of it for the p2p daemon), and exiting at once with the whole process group when the
 stage process that owns it has died."""
 
 from __future__ import annotations
@@ -13,7 +13,18 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
+from protocol.identity import LIBP2P_ED25519_PRIVATE, PRIVATE_KEY_SIZE, NodeKey
+
 log = logging.getLogger(__name__)
+
+
+def node_key(identity: bytes) -> NodeKey:
+    """The key an `Init.identity` holds (an ed25519 libp2p private key: its head, the
+    seed, the public key), or a fresh one for b"" (a test's outer process)."""
+    if not identity:
+        return NodeKey.generate()
+    head = len(LIBP2P_ED25519_PRIVATE)
+    return NodeKey(identity[head : head + PRIVATE_KEY_SIZE])
 
 
 @contextlib.contextmanager

@@ -57,7 +57,8 @@ from node.outer.contract import (
     encode,
 )
 from node.outer.contract_fields import MAX_ADDR, MAX_PEERS, MAX_TEXT
-from node.outer.lifecycle import identity_file, vanish
+from node.outer.dht_records import MemberRecords, admit_members
+from node.outer.lifecycle import identity_file, node_key, vanish
 from node.outer.parts import MAX_ADDRS, group_canonical, group_target, named_attested
 from node.outer.settings import MAX_COUNT
 from node.outer.state_download import state_digest
@@ -119,6 +120,9 @@ class OuterProcess:
         # contribution instead of dropping them (`node.outer.parts.carried_view`).
         self.carry_base: Link | None = None
         self.carry_tokens = 0
+        # DHT records the validator refused: as last heard, and as last reported
+        self.records_refused = 0
+        self.records_reported = 0
 
     # ---- socket ----------------------------------------------------------------------
 
@@ -165,7 +169,11 @@ class OuterProcess:
             for path in (init.snap, init.result, init.momentum)
         )
         self.prefix = f"agora-{init.run_id}-stage{init.stage}"
-        with identity_file(init.identity) as identity_path:
+        key = node_key(init.identity)
+        # built before the DHT process forks from this one: that process's copy is the
+        # one `admit_members` updates
+        self.records = MemberRecords(key)
+        with identity_file(key.libp2p_private_key()) as identity_path:
             self.dht = DHT(
                 initial_peers=list(init.initial_peers),
                 host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
@@ -174,6 +182,7 @@ class OuterProcess:
                 # hivemind would start a second daemon to ask the DHT whether the key is
                 # in use; the node's key is its own
                 check_if_identity_free=False,
+                record_validators=[self.records],
                 start=True,
                 await_ready=True,
             )
@@ -348,6 +357,9 @@ class OuterProcess:
         if self.state is None:
             return RoundFailed(error="no state: call set_state or fetch_state first")
         self.averager.prepare(members)
+        # the DHT keeps and believes records of these members only (and of ours)
+        if members is not None and (refused := admit_members(self.dht, members)) is not None:
+            self.records_refused = refused
         base = self.state
         delta = base.theta_g - self.snap
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
@@ -422,6 +434,10 @@ class OuterProcess:
             contributed = applied and self.own_weight(info) > 0.0
         with self.lock:
             state_in, state_out, self.state_in, self.state_out = self.state_in, self.state_out, 0, 0
+        refused, self.records_reported = (
+            self.records_refused - self.records_reported,
+            self.records_refused,
+        )
         return RoundResult(
             round=rnd,
             applied=applied,
@@ -442,6 +458,7 @@ class OuterProcess:
             agreed=agreed,
             accused=accused,
             carried=carried and contributed,
+            records_refused=max(0, refused),
         )
 
     def step_alone(

@@ -26,6 +26,9 @@ WIRE_BYTES = {"none": 4, "fp16": 2, "uint8": 1}  # bytes a parameter on the wire
 AVERAGINGS = ("reduce_scatter", "all_gather")
 MAX_COUNT = 2**62  # bound on integers on the wire: tokens, rounds, bytes
 MAX_SETTING_STR = 1024  # characters in a str setting
+# how far ahead a DHT record may expire (s): a replica's records live a round's
+# matchmaking or a few seconds (node.outer.dht_records refuses any that claims longer)
+MAX_RECORD_AHEAD_S = 900.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -174,6 +177,12 @@ class OuterConfig:
             raise ValueError(
                 f"request_timeout_s ({self.request_timeout_s}) must be in (0, matchmaking_s = "
                 f"{self.matchmaking_s})"
+            )
+        if self.matchmaking_s * 2 + 1.0 >= MAX_RECORD_AHEAD_S:
+            raise ValueError(
+                f"matchmaking_s ({self.matchmaking_s}) must be < {(MAX_RECORD_AHEAD_S - 1) / 2}: "
+                "a matchmaking declaration lives twice the window, and peers refuse DHT "
+                f"records that expire more than {MAX_RECORD_AHEAD_S:.0f} s ahead"
             )
         if not self.program or not all(isinstance(a, str) and a for a in self.program):
             raise ValueError(f"program must be a non-empty list of arguments, got {self.program!r}")
