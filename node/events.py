@@ -26,6 +26,9 @@ learn what a node did from this file instead (`agora-node --events FILE`). Each 
 - `accused`: `peer`, `round`, `reason`: this replica caught a groupmate in its outer round
   (a contribution no honest replica sends, or a reducer that lied) and reports it to the
   coordinator
+- `dht_records_refused`: `count`, `round`: records this replica's outer DHT refused to
+  store or believe since its last round (unsigned, signed by another peer than the one
+  they name, or of a peer not listed on the stage)
 - `ranges_returned`: `lease_id`, `shard_id`, `start`, `end` (trained tokens that did not
   reach the stage's global state: the commit rule hands them back to be trained again)
 - `dht_move`: `reason`, `root` (peer id, "" when this node is the root), `rounds` (rounds
@@ -58,6 +61,7 @@ EVENT_NAMES = frozenset(
         "round_applied",
         "round_not_applied",
         "accused",
+        "dht_records_refused",
         "ranges_returned",
         "dht_move",
         "draining",

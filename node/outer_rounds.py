@@ -338,6 +338,10 @@ class OuterRounds:
         metrics.OUTER_STATE_BYTES.labels("in").inc(result.state_bytes_in)
         metrics.OUTER_STATE_BYTES.labels("out").inc(result.state_bytes_out)
         metrics.OUTER_RECORDS_REFUSED.inc(result.records_refused)
+        if result.records_refused:
+            self.events.emit(
+                "dht_records_refused", count=result.records_refused, round=result.round
+            )
         # A lone round that rebased found a newer replica on its DHT: not on its own there.
         lone = result.group_size <= 1 and not result.rebased
         self.lone_rounds = self.lone_rounds + 1 if lone else 0

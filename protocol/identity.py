@@ -36,6 +36,18 @@ def b58encode(data: bytes) -> str:
     return "1" * pad + out
 
 
+def b58decode(text: str) -> bytes:
+    """The bytes `b58encode` made `text` from; ProtocolError for a non-base58 character."""
+    n = 0
+    for ch in text:
+        i = _B58.find(ch)
+        if i < 0:
+            raise ProtocolError(f"not base58: {ch!r}")
+        n = n * 58 + i
+    pad = len(text) - len(text.lstrip("1"))
+    return b"\0" * pad + (n.to_bytes((n.bit_length() + 7) // 8, "big") if n else b"")
+
+
 def peer_id_from_public_key(public_key: bytes) -> str:
     """libp2p peer id of an ed25519 public key (identity multihash, base58btc)."""
     if len(public_key) != PUBLIC_KEY_SIZE:

@@ -42,13 +42,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_plan_gives_every_attack_one_slot_in_a_seeded_order() -> None:
-    cfg = ChaosConfig(minutes=16, seed=3, byzantine=True)
-    a = byzantine_plan(3, 960, cfg)
-    assert a == byzantine_plan(3, 960, cfg)
+    cfg = ChaosConfig(minutes=18, seed=3, byzantine=True)
+    a = byzantine_plan(3, 1080, cfg)
+    assert a == byzantine_plan(3, 1080, cfg)
     assert sorted(f.kind for f in a) == sorted(BYZANTINE)
     assert [f.at_s for f in a] == [i * 120.0 for i in range(len(BYZANTINE))]
     assert all(f.hold_s < 120.0 for f in a)
-    assert [f.kind for f in byzantine_plan(4, 960, cfg)] != [f.kind for f in a]
+    assert [f.kind for f in byzantine_plan(4, 1080, cfg)] != [f.kind for f in a]
 
 
 def test_config_refuses_what_cannot_run() -> None:
@@ -103,6 +103,7 @@ def test_judgement_reads_rejections_bans_and_forged_rounds(tmp_path: Path) -> No
     _events(tmp_path, "a0", [_round(5, "x", 3, {rogue: why})])
     _events(tmp_path, "b0", [_round(5, "x", 3), ("accused", {"peer": rogue, "round": 5,
                                                              "reason": "norm"}),
+                             ("dht_records_refused", {"count": 2, "round": 5}),
                              _round(6, "y", 3, {rogue: "part 0: no tokens; part 1: no tokens"})])  # fmt: skip
     for n in ("a1", "b1"):
         _events(tmp_path, n, [])
@@ -112,6 +113,7 @@ def test_judgement_reads_rejections_bans_and_forged_rounds(tmp_path: Path) -> No
     assert reason_kind("part 2: pair: cosine -0.31 below 4 / sqrt(n) = 0.02") == "pair: cosine"
     assert reason_kind("non-finite values") == "non-finite values"
     assert view["honest_accusations"] == 1 and view["rounds_with_attacker"] == 2  # 5 and 6
+    assert view["honest_records_refused"] == 2
     play = {**view, "banned": False}
     assert judge("scaled_delta", play) == "rejected"
     assert judge("scaled_delta", {**play, "banned": True}) == "banned"
@@ -124,6 +126,9 @@ def test_judgement_reads_rejections_bans_and_forged_rounds(tmp_path: Path) -> No
     assert judge("forged_export", {**export, "export_sources": {0: rogue}}) == "not_defended"
     assert judge("forged_export", {**export, "export_exit": 1}) == "not_reached"
     assert judge("forged_export", {**export, "attacker": {}}) == "not_reached"
+    calm = {**play, "honest_rejections": {}}
+    assert judge("dht_forgery", calm) == "ignored"  # refused, and groups went on
+    assert judge("dht_forgery", {**calm, "honest_records_refused": 0}) == "not_reached"
 
 
 @pytest.mark.slow

@@ -324,3 +324,20 @@ def test_unpack_limits_bound_every_object_while_reading() -> None:
     assert request_limits(1 << 20).max_array_len == 4096
     with pytest.raises(ProtocolError, match="max_array_len"):
         open_envelope(packb({"t": "signed", "v": 1, "junk": [[]]}))
+
+
+@given(data=st.binary(max_size=64))
+def test_base58_decodes_what_it_encodes(data: bytes) -> None:
+    from protocol.identity import b58decode, b58encode
+
+    assert b58decode(b58encode(data)) == data
+
+
+@given(text=st.text(max_size=64))
+def test_base58_decoding_raises_only_protocol_errors(text: str) -> None:
+    from protocol.identity import b58decode
+
+    try:
+        b58decode(text)
+    except ProtocolError:
+        pass

@@ -12,6 +12,8 @@ that stage as its third replica, plays, and is stopped at the slot's end:
   2**62 and serves a forged state of round 2**62; claims round 2**62 and 10**15 tokens;
   contributes its pseudo-gradient x100, negated, as noise of the same norm, or with NaNs
   and Infs;
+- `dht_forgery`: the same, whose outer process stores "not looking for a group" under
+  every other member's subkey of the stage's group key, unsigned, before each round;
 - `bootstrap_grab`: an honest `agora-node` under a key ground for the smallest peer id
   among `GRIND_KEYS` (the run's DHT bootstrap used to be the smallest peer id);
 - `forged_export`: a member serving a forged state of round 2**62 (every weight 1e3)
@@ -23,7 +25,9 @@ slot, the coordinator's record of the attacker (banned or not) and, for `forged_
 the export's summary. Outcomes: `banned` (the coordinator dropped the
 attacker on its stage's accusations), `rejected` (an honest reducer left its contribution
 out), `ignored` (its claim or offer was not taken: no honest replica reached its forged
-round, moved to its DHT or exported its state), `bounded` (its contribution was averaged
+round, moved to its DHT or exported its state; for `dht_forgery`, honest DHTs refused
+records, counted in their `dht_records_refused` events, while group rounds went on),
+`bounded` (its contribution was averaged
 in, within the robust aggregator's bounds: sign flips and noise in a group of three are
 clipped, not refused), `not_defended` (an honest replica took its state, round, DHT or
 export) or `not_reached` (it never shared a group round with an honest replica). The
@@ -64,6 +68,7 @@ OUTER = {  # chaos attack -> swarmlab.chaos.rogue_outer --attack
     "sign_flip": "sign_flip",
     "noise": "noise",
     "nan_inf": "nan_delta",
+    "dht_forgery": "dht_forgery",
 }
 ATTACKS = BYZANTINE
 HONEST = {"a0": 0, "b0": 0, "a1": 1, "b1": 1}  # Run.start's nodes and their stages
@@ -268,6 +273,7 @@ def honest_view(workdir: Path, stage: int, peer: str, t0: float, t1: float) -> d
     full_rounds: set[int] = set()
     max_round = 0
     moved_to = 0
+    refused = 0  # DHT records refused (by anyone's fault: the slot has one attacker)
     for name, events in honest_events(workdir).items():
         if HONEST[name] != stage:
             continue
@@ -290,11 +296,14 @@ def honest_view(workdir: Path, stage: int, peer: str, t0: float, t1: float) -> d
                 accused += 1
             elif ev["event"] == "dht_move" and peer and ev.get("root") == peer:
                 moved_to += 1
+            elif ev["event"] == "dht_records_refused":
+                refused += int(ev["count"])
     return {
         "honest_rejections": rejected, "honest_left_out": left_out,
         "honest_accusations": accused,
         "honest_group_rounds": len(group_rounds), "rounds_with_attacker": len(full_rounds),
         "honest_max_round": max_round, "honest_moves_to_attacker": moved_to,
+        "honest_records_refused": refused,
     }  # fmt: skip
 
 
@@ -345,6 +354,9 @@ def judge(kind: str, play: dict[str, Any]) -> str:
         return "banned"
     if play["honest_rejections"]:
         return "rejected"
+    if kind == "dht_forgery":
+        refused = play["honest_records_refused"] and play["honest_group_rounds"]
+        return "ignored" if refused else "not_reached"
     if kind in ("state_takeover", "inflated_claims", "bootstrap_grab"):
         return "ignored" if play["honest_group_rounds"] else "not_reached"
     return "bounded" if play["rounds_with_attacker"] else "not_reached"

@@ -12,6 +12,10 @@ Attacks (`--attack`):
 - `sign_flip`, `noise`: it contributes its pseudo-gradient negated, or random noise of the
   same norm (inside every norm bound);
 - `inflated_claims`: it claims round 2**62 and 10**15 tokens in its gathered metadata;
+- `dht_forgery`: before each round it stores, under every other listed member's subkey
+  of the group key, "not looking for a group" with a later expiration than theirs (it
+  cannot sign them: its own record validator signs its own subkey only), which would
+  hide them from every leader search if the DHT kept unsigned records;
 - `state_takeover`: once it holds a state, it declares state-sharing priority 2**62 in
   the DHT and serves a forged state of round 2**62 to whoever downloads one;
 - `resend_late` (a fault, not an attack): it sends each reduced part once more
@@ -34,20 +38,23 @@ from swarmlab.chaos.schedule import FORGED_ROUND
 
 ATTACKS = (
     "freeze_in_group", "own_part_only", "scaled_delta", "nan_delta", "sign_flip", "noise",
-    "inflated_claims", "state_takeover", "resend_late",
+    "inflated_claims", "state_takeover", "dht_forgery", "resend_late",
 )  # fmt: skip
+FORGED_RECORD_S = 120.0  # how far ahead `dht_forgery`'s records expire (s)
 LATE_RESEND_S = 2.0  # s after its acknowledgement that `resend_late` sends a part again
 
 
 def rogue_averager(attack: str) -> Any:
     """The `StageAverager` subclass that runs `attack`."""
     import asyncio
+    import time
 
     import torch
 
     from node.outer.averager import StageAverager
     from node.outer.parts import decode_header
     from node.outer.state_download import state_digest
+    from protocol.identity import b58decode
 
     class Rogue(StageAverager):
         _rpc_handlers = None  # collect this class's rpc_* handlers (the same as the base's)
@@ -62,6 +69,18 @@ def rogue_averager(attack: str) -> Any:
             if attack == "state_takeover":
                 value = float(FORGED_ROUND)
             StageAverager.state_sharing_priority.fset(self, value)
+
+        def prepare(self, members: Any) -> None:
+            super().prepare(members)
+            if attack == "dht_forgery" and members:
+                self._forge(m for m in members if m != self.dht.peer_id.to_base58())
+
+        def _forge(self, victims: Any) -> None:
+            key = f"{self.prefix}.0b"  # hivemind's group key (no group bits)
+            expiration = time.time() + FORGED_RECORD_S  # hivemind's DHT time is unix time
+            for peer in victims:
+                self.dht.store(key, subkey=b58decode(peer), value=False,
+                               expiration_time=expiration, return_future=True)  # fmt: skip
 
         def get_current_state(self) -> Any:
             meta, tensors, infos = super().get_current_state()

@@ -12,7 +12,7 @@ LEASE_TTL_S = 10.0  # the chaos swarm's lease TTL (its run.toml), seconds
 # the attacks of `agora chaos --byzantine` (swarmlab.chaos.byzantine)
 FORGED_ROUND = 2**62  # the round the forging attackers (state_takeover, forged_export) claim
 BYZANTINE = ("state_takeover", "inflated_claims", "scaled_delta", "sign_flip", "noise",
-             "nan_inf", "bootstrap_grab", "forged_export")  # fmt: skip
+             "nan_inf", "bootstrap_grab", "forged_export", "dht_forgery")  # fmt: skip
 MIN_SLOT_S = 60.0  # the shortest Byzantine slot: an attacker starts, trains and averages
 
 
