@@ -126,9 +126,8 @@ def test_judgement_reads_rejections_bans_and_forged_rounds(tmp_path: Path) -> No
     assert judge("forged_export", {**export, "export_sources": {0: rogue}}) == "not_defended"
     assert judge("forged_export", {**export, "export_exit": 1}) == "not_reached"
     assert judge("forged_export", {**export, "attacker": {}}) == "not_reached"
-    calm = {**play, "honest_rejections": {}}
-    assert judge("dht_forgery", calm) == "ignored"  # refused, and groups went on
-    assert judge("dht_forgery", {**calm, "honest_records_refused": 0}) == "not_reached"
+    assert judge("dht_forgery", play) == "ignored"  # refused, and groups went on
+    assert judge("dht_forgery", {**play, "honest_records_refused": 0}) == "not_reached"
 
 
 @pytest.mark.slow

@@ -207,3 +207,20 @@ def test_a_strangers_forged_declaration_takes_a_member_out_only_without_the_vali
     stored = guarded["stored"]
     assert stored["a"] and stored["b"], guarded  # type: ignore[index]
     assert all(n >= 1 for n in guarded["refused"]), guarded  # type: ignore[union-attr]
+
+
+def test_membership_binds_the_guarded_keys_only() -> None:
+    """The run's stages share one DHT: records under another stage's keys need their
+    owner's signature only (that stage's replicas check its members when they read)."""
+    me, stranger = NodeKey.generate(), NodeKey.generate()
+    v = MemberRecords(me, guarded=[KEY])
+    v.admit([me.peer_id])
+    theirs = fresh(MemberRecords(stranger), stranger)
+    assert not v.validate(theirs)  # our stage's key: members only
+    other = dataclasses.replace(theirs, key=b"\x22" * 20)  # another stage's key...
+    assert not v.validate(other)  # ...signed over the old key: the signature breaks
+    signer = MemberRecords(stranger)
+    elsewhere = dataclasses.replace(
+        other, value=signer.sign_value(dataclasses.replace(other, value=b"\xc3"))
+    )
+    assert v.validate(elsewhere)  # signed by its owner: kept

@@ -11,15 +11,19 @@ replace the member's own record: a stranger marking every member "not looking fo
 group" keeps every group from forming.
 
 `MemberRecords` is the DHT's record validator (hivemind's `RecordValidatorBase`
-interface, duck-typed so this module loads without hivemind). hivemind signs each record its own node
-stores with it (`sign_value`) and checks every record a peer asks it to store or returns
-to its reads (`validate`): a record whose owner is not an ed25519 peer, whose signature
-does not verify, whose expiration lies more than `MAX_RECORD_AHEAD_S` ahead, or whose
-owner is not admitted is refused (a read drops what that peer returned for the key).
-Admitted: the members the coordinator listed in the replica's rounds (`admit`), each for
-`GRACE_S` after it was last listed, longer than any record it stored while listed can
-live, so a departed member's records expire before it stops being believed. Until the
-first list arrives (a joiner fetching its state) every correctly signed record is taken.
+interface, duck-typed so this module loads without hivemind). hivemind signs each record
+its own node stores with it (`sign_value`) and checks every record a peer asks it to
+store or returns to its reads (`validate`): a record whose owner is not an ed25519 peer,
+whose signature does not verify, or whose expiration lies more than `MAX_RECORD_AHEAD_S`
+ahead is refused (a read drops what that peer returned for the key), and so is one under
+a key of this replica's stage (`guarded`, by DHT id) whose owner is not admitted. The
+run's stages share one DHT, so a replica also holds other stages' records: those need a
+valid owner signature only, and their own stage's replicas check membership when they
+read them. Admitted: the members the coordinator listed in the replica's rounds
+(`admit`), each for `GRACE_S` after it was last listed, longer than any record it stored
+while listed can live, so a departed member's records expire before it stops being
+believed. Until the first list arrives (a joiner fetching its state) every correctly
+signed record is taken.
 """
 
 from __future__ import annotations
@@ -81,15 +85,17 @@ def signed_bytes(record: Record) -> bytes:
 
 
 class MemberRecords:
-    """hivemind record validator: records owned and signed by admitted members only (see
-    the module docstring). `key`: this replica's own key, which signs what it stores."""
+    """hivemind record validator: records owned and signed by their owner, and under the
+    `guarded` keys (DHT ids; None: every key) by admitted members only (see the module
+    docstring). `key`: this replica's own key, which signs what it stores."""
 
     # the validator of this process; the DHT process is forked from the one that built
     # it, so there it is the DHT's own copy, which `admit_members` updates
     live: ClassVar[MemberRecords | None] = None
 
-    def __init__(self, key: NodeKey) -> None:
+    def __init__(self, key: NodeKey, guarded: Iterable[bytes] | None = None) -> None:
         self._key = key
+        self._guarded = None if guarded is None else frozenset(guarded)
         self._own_subkey = _SUBKEY_HEAD + key.public_key
         self._own_peer = key.peer_id  # admitted always: the coordinator's list may lag
         self._listed: dict[str, float] | None = None  # peer id -> monotonic time last listed
@@ -135,7 +141,8 @@ class MemberRecords:
             return False
         if expiration > time.time() + MAX_RECORD_AHEAD_S:
             return False
-        if not self.admits(b58encode(record.subkey[2:])):
+        guarded = self._guarded is None or record.key in self._guarded
+        if guarded and not self.admits(b58encode(record.subkey[2:])):
             return False
         stripped = dataclasses.replace(record, value=record.value[:-SIGNATURE_SIZE])  # type: ignore[type-var]
         try:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from hivemind import DHT
+from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
 from node.diloco import Contribution, OuterState, nesterov_step, outer_step, participation_lr
@@ -172,7 +173,10 @@ class OuterProcess:
         key = node_key(init.identity)
         # built before the DHT process forks from this one: that process's copy is the
         # one `admit_members` updates
-        self.records = MemberRecords(key)
+        self.records = MemberRecords(key, guarded=[
+            DHTID.generate(source=f"{self.prefix}{k}").to_bytes()
+            for k in (".0b", ".all_averagers", ".addrs")  # matchmaking, sharing, addresses
+        ])  # fmt: skip
         with identity_file(key.libp2p_private_key()) as identity_path:
             self.dht = DHT(
                 initial_peers=list(init.initial_peers),

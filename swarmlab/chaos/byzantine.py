@@ -350,13 +350,13 @@ def judge(kind: str, play: dict[str, Any]) -> str:
             play["peer_id"] in play["export_sources"].values()
         )
         return "not_defended" if forged else "ignored"
+    if kind == "dht_forgery":  # it trains honestly: what it does to its groups is no defence
+        refused = play["honest_records_refused"] and play["honest_group_rounds"]
+        return "ignored" if refused else "not_reached"
     if play["banned"]:
         return "banned"
     if play["honest_rejections"]:
         return "rejected"
-    if kind == "dht_forgery":
-        refused = play["honest_records_refused"] and play["honest_group_rounds"]
-        return "ignored" if refused else "not_reached"
     if kind in ("state_takeover", "inflated_claims", "bootstrap_grab"):
         return "ignored" if play["honest_group_rounds"] else "not_reached"
     return "bounded" if play["rounds_with_attacker"] else "not_reached"
