@@ -137,7 +137,9 @@ class MemberRecords:
         if public_key is None or len(record.value) < SIGNATURE_SIZE:
             return False
         expiration = record.expiration_time
-        if type(expiration) not in (float, int) or not math.isfinite(expiration):
+        if not isinstance(expiration, float | int) or isinstance(expiration, bool):
+            return False  # numpy's float64 is a float
+        if not math.isfinite(expiration):
             return False
         if expiration > time.time() + MAX_RECORD_AHEAD_S:
             return False

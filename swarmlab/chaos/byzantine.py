@@ -27,9 +27,8 @@ attacker on its stage's accusations), `rejected` (an honest reducer left its con
 out), `ignored` (its claim or offer was not taken: no honest replica reached its forged
 round, moved to its DHT or exported its state; for `dht_forgery`, honest DHTs refused
 records, counted in their `dht_records_refused` events, while group rounds went on),
-`bounded` (its contribution was averaged
-in, within the robust aggregator's bounds: sign flips and noise in a group of three are
-clipped, not refused), `not_defended` (an honest replica took its state, round, DHT or
+`bounded` (its contribution was averaged in, within the robust aggregator's bounds: sign
+flips and noise in a group of three are clipped, not refused), `not_defended` (an honest replica took its state, round, DHT or
 export) or `not_reached` (it never shared a group round with an honest replica). The
 report adds `attacks`, `attackers_rejected` (plays banned, rejected or ignored),
 `honest_replicas_identical`, `honest_rounds` (per stage: group rounds all honest replicas
