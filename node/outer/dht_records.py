@@ -40,7 +40,7 @@ import msgpack
 
 from node.outer.settings import MAX_RECORD_AHEAD_S
 from protocol.errors import ProtocolError
-from protocol.identity import SIGNATURE_SIZE, NodeKey, b58encode, verify_signature
+from protocol.identity import SIGNATURE_SIZE, NodeKey, peer_id_from_public_key, verify_signature
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ def owner_public_key(subkey: bytes) -> bytes | None:
 
 def owner_peer_id(subkey: bytes) -> str | None:
     """The base58 peer id a record's subkey names (None as in `owner_public_key`)."""
-    return None if owner_public_key(subkey) is None else b58encode(subkey[2:])
+    public_key = owner_public_key(subkey)
+    return None if public_key is None else peer_id_from_public_key(public_key)
 
 
 def signed_bytes(record: Record) -> bytes:
@@ -100,6 +101,7 @@ class MemberRecords:
         self._own_peer = key.peer_id  # admitted always: the coordinator's list may lag
         self._listed: dict[str, float] | None = None  # peer id -> monotonic time last listed
         self.refused = 0  # records refused so far
+        self.reported = 0  # of them, those `_admit` has reported
         MemberRecords.live = self
 
     def admit(self, members: Iterable[str], now: float | None = None) -> None:
@@ -144,7 +146,7 @@ class MemberRecords:
         if expiration > time.time() + MAX_RECORD_AHEAD_S:
             return False
         guarded = self._guarded is None or record.key in self._guarded
-        if guarded and not self.admits(b58encode(record.subkey[2:])):
+        if guarded and not self.admits(peer_id_from_public_key(public_key)):
             return False
         stripped = dataclasses.replace(record, value=record.value[:-SIGNATURE_SIZE])  # type: ignore[type-var]
         try:
@@ -174,19 +176,21 @@ class MemberRecords:
 
 
 async def _admit(_dht: Any, _node: Any, members: list[str]) -> int:
-    """Runs in the DHT process (`DHT.run_coroutine`); the records refused so far."""
+    """Runs in the DHT process (`DHT.run_coroutine`); the records refused since the
+    last call."""
     live = MemberRecords.live
     if live is None:
         raise RuntimeError("this DHT process has no MemberRecords validator")
     live.admit(members)
-    return live.refused
+    new, live.reported = live.refused - live.reported, live.refused
+    return new
 
 
 def admit_members(dht: Any, members: Iterable[str], timeout: float = 5.0) -> int | None:
     """Tell `dht`'s process (a hivemind DHT built with a `MemberRecords`) the stage's
-    members now; returns the records its validator has refused so far, None (logged)
-    when the DHT process did not answer within `timeout` seconds: it keeps its last
-    list, and the round goes on."""
+    members now; returns the records its validator refused since the last call, None
+    (logged) when the DHT process did not answer within `timeout` seconds: it keeps its
+    last list, and the round goes on."""
     future = dht.run_coroutine(partial(_admit, members=list(members)), return_future=True)
     try:
         return int(future.result(timeout=timeout))

@@ -121,9 +121,6 @@ class OuterProcess:
         # contribution instead of dropping them (`node.outer.parts.carried_view`).
         self.carry_base: Link | None = None
         self.carry_tokens = 0
-        # DHT records the validator refused: as last heard, and as last reported
-        self.records_refused = 0
-        self.records_reported = 0
 
     # ---- socket ----------------------------------------------------------------------
 
@@ -362,8 +359,7 @@ class OuterProcess:
             return RoundFailed(error="no state: call set_state or fetch_state first")
         self.averager.prepare(members)
         # the DHT keeps and believes records of these members only (and of ours)
-        if members is not None and (refused := admit_members(self.dht, members)) is not None:
-            self.records_refused = refused
+        refused = (admit_members(self.dht, members) if members is not None else None) or 0
         base = self.state
         delta = base.theta_g - self.snap
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
@@ -438,10 +434,6 @@ class OuterProcess:
             contributed = applied and self.own_weight(info) > 0.0
         with self.lock:
             state_in, state_out, self.state_in, self.state_out = self.state_in, self.state_out, 0, 0
-        refused, self.records_reported = (
-            self.records_refused - self.records_reported,
-            self.records_refused,
-        )
         return RoundResult(
             round=rnd,
             applied=applied,
@@ -462,7 +454,7 @@ class OuterProcess:
             agreed=agreed,
             accused=accused,
             carried=carried and contributed,
-            records_refused=max(0, refused),
+            records_refused=refused,
         )
 
     def step_alone(
