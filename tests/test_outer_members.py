@@ -15,6 +15,7 @@ The pytest process only imports `node.outer_link` (no hivemind).
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -33,6 +34,7 @@ CFG = OuterConfig(
     diloco=DilocoConfig(eta=0.7, mu=0.9, target_tokens=600),
 )
 TOKENS = (100, 200, 400)  # A, B (members) and C (the stranger)
+BACKOFF_S = 12.0  # s after a restart before its rounds: dials of a dead address back off
 
 
 def vec(seed: int) -> torch.Tensor:
@@ -177,3 +179,50 @@ def test_a_replica_alone_on_its_stage_steps_at_once(
     result = link.wait_result(3 * window)
     assert result.group_size == 1 and result.applied and result.round == 1, result
     assert result.seconds < window / 2, result
+
+
+def test_replicas_that_restarted_together_find_each_other(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """Two replicas of a stage restart their outer processes at the same moment (a move
+    to the run's DHT): each new process keeps its node's key and bootstraps from the
+    run's root and from the other's last announced DHT, which died with its old process.
+    Each daemon then holds a dead address for the other's peer id, and a dial of it
+    fails ("dial backoff") for as long as it keeps trying. A join request goes to the
+    leader at the address it announces on the stage's DHT, so they still form a group."""
+    run = uuid.uuid4().hex[:8]
+    root = OuterLink.start(run_id=run, stage=1, numel=N, config=CFG, env=child_env)
+    links.append(root)
+    keys = [NodeKey.generate() for _ in range(2)]
+    dead: list[list[str]] = []
+    for key in keys:  # the old processes: their addresses outlive them
+        old = OuterLink.start(
+            run_id=run, stage=0, numel=N, config=CFG, env=child_env,
+            identity=key.libp2p_private_key(),
+        )  # fmt: skip
+        dead.append(old.dht_addrs())
+        old.close(timeout=10.0)
+    pair = []
+    for i, key in enumerate(keys):
+        link = OuterLink.start(
+            run_id=run, stage=0, numel=N, config=CFG, env=child_env,
+            initial_peers=[*root.dht_addrs(), *dead[1 - i]],
+            identity=key.libp2p_private_key(),
+        )  # fmt: skip
+        links.append(link)
+        link.set_initial_state([vec(0)])
+        pair.append(link)
+    members = [k.peer_id for k in keys]
+    # The rounds begin once each daemon has failed the other's dead address a few times
+    # (its DHT keeps trying the peer id): go-libp2p then backs off from that address for
+    # 5 s + 1 s x failures^2. A round begun at once can still beat the first backoff.
+    time.sleep(BACKOFF_S)
+    for attempt in range(3):
+        for i, link in enumerate(pair):
+            begin(link, i, members)
+        ra, rb = (link.wait_result(60) for link in pair)
+        if ra.group_size == rb.group_size == 2:
+            assert ra.digest == rb.digest and torch.equal(pair[0].theta_g(), pair[1].theta_g())
+            return
+        print(f"attempt {attempt}: group sizes {ra.group_size}, {rb.group_size}")
+    pytest.fail("the two replicas never formed a group of two in 3 rounds")

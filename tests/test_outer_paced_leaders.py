@@ -79,10 +79,17 @@ async def first_leader(leaders):
     finally:
         updates.cancel()
 
+reached = []
+
+async def reach(peer):  # dials the leader where it listens; the join request waits
+    await asyncio.sleep(0)
+    reached.append(peer.to_bytes().decode())
+
 print(json.dumps({
     "hivemind": asyncio.run(first_leader(PotentialLeaders(PeerID(b"me"), 1.0, None))),
     "members_only": asyncio.run(first_leader(
-        PacedLeaders(PeerID(b"me"), 1.0, None, admits=lambda p: p == MEMBER))),
+        PacedLeaders(PeerID(b"me"), 1.0, None, admits=lambda p: p == MEMBER, reach=reach))),
+    "reached": reached,
 }))
 """
 
@@ -90,13 +97,14 @@ print(json.dumps({
 def test_a_replica_asks_to_join_only_leaders_it_admits() -> None:
     """Two averagers declared under the group key, a stranger that started searching
     first and a member: hivemind's search asks the stranger first; with the stage's
-    members given, the search never offers the stranger and asks the member."""
+    members given, the search never offers the stranger and asks the member, dialed
+    (`reach`) before it is handed to the join request."""
     out = subprocess.run(
         [sys.executable, "-c", FOLLOW_SCRIPT],
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     first = json.loads(out.stdout.strip().splitlines()[-1])
-    assert first == {"hivemind": "stranger", "members_only": "member"}, first
+    assert first == {"hivemind": "stranger", "members_only": "member", "reached": ["member"]}, first
 
 
 def test_a_waiting_replica_reads_the_group_key_at_most_once_per_gap() -> None:

@@ -214,7 +214,7 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
             if want is not None:  # only who declares the wanted round: any other state is
                 # refused after its download, and a source that moved on serves none
                 priority = {p: v for p, v in priority.items() if v[0] == want[0]}
-            addrs = self._announced_addrs()
+            addrs = await self._announced_addrs()
             for peer in sorted(priority, key=priority.__getitem__, reverse=True):
                 if peer == self.peer_id:
                     continue
@@ -236,12 +236,13 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
             if not future.done():
                 future.set_result(None)
 
-    def _announced_addrs(self) -> dict[PeerID, list[str]]:
+    async def _announced_addrs(self) -> dict[PeerID, list[str]]:
         """The DHT addresses replicas declare beside their sharing priority (see
         `_declare_addrs_periodically`); an entry that is not a short list of short
-        strings is skipped. Unsigned claims: a dial proves the peer id (Noise), so a
-        forged entry costs one failed dial."""
-        found = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.addrs", latest=True)
+        strings is skipped. Each is signed by its owner (`node.outer.dht_records`), and
+        a dial proves the peer id (Noise) anyway: a false entry costs one failed dial."""
+        key = f"{self._matchmaking.group_key_manager.prefix}.addrs"
+        found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None else {}
         out: dict[PeerID, list[str]] = {}
         for key, info in entries.items() if isinstance(entries, dict) else ():
@@ -259,12 +260,25 @@ class StageAverager(ReduceScatterRounds, AllGatherRounds, DecentralizedAverager)
         addresses its DHT listens on, for replicas that download state from it.
         hivemind starts this task right after it builds its matchmaking, before the first
         round: the matchmaking's leader search is paced here (`node.outer.paced_leaders`)."""
-        pace(self._matchmaking, admits=self._admits)
+        pace(self._matchmaking, admits=self._admits, reach=self._reach_leader)
         addrs = asyncio.create_task(self._declare_addrs_periodically())
         try:
             await super()._declare_for_download_periodically()
         finally:
             addrs.cancel()
+
+    async def _reach_leader(self, leader: PeerID) -> None:
+        """Dial a potential leader where it says it listens before asking to join its
+        group (`node.outer.paced_leaders`: the daemon may hold a dead address for it)."""
+        try:
+            addrs = (await asyncio.wait_for(self._announced_addrs(), self.request_timeout)).get(
+                leader
+            )
+        except Exception as exc:  # the join request goes on as hivemind would send it
+            log.debug("reading announced addresses failed: %r", exc)
+            return
+        if addrs:
+            await self._dial_at(leader, addrs, self.request_timeout)
 
     async def _declare_addrs_periodically(self) -> None:
         """Store `<prefix>.addrs` (subkey: our peer id) every `declare_state_period`: a

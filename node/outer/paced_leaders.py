@@ -22,13 +22,21 @@ peer its list does not hold yet (a replica that joined the stage just after this
 began), found the stranger in the assembled group and stepped alone, while the leader
 pushed parts to it until its timeouts: in a churn run the joiner's first round took
 27.5 s and the next round of the replica it chose found no group either.
+
+And before a join request goes out, `reach` dials the leader where it says it listens.
+The p2p daemon otherwise dials the addresses it last knew for the peer id: a replica
+whose outer process restarted (a move to the run's DHT; it keeps its node's key) listens
+elsewhere now, and a daemon that was given its old address (a bootstrap list read while
+both restarted) fails the dial and backs off from it for longer at each failure. Two
+replicas that moved together then never met again: each found the other's
+declaration on the DHT and could not reach it, round after round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hivemind.averaging.matchmaking import PotentialLeaders
@@ -38,6 +46,10 @@ MIN_READ_GAP_S = 0.25  # seconds between two reads of the group key by one repli
 
 def _admit_anyone(_peer: Any) -> bool:
     return True
+
+
+async def _as_known(_peer: Any) -> None:
+    return None
 
 
 class _PacedKeys:
@@ -60,25 +72,42 @@ class _PacedKeys:
         return [(peer, expiration) for peer, expiration in found if self._admits(peer)]
 
 
+Reach = Callable[[Any], Awaitable[None]]  # dial a peer (hivemind `PeerID`) where it listens
+
+
 class PacedLeaders(PotentialLeaders):  # type: ignore[misc]
     """hivemind's `PotentialLeaders`, its group-key reads at most one per `gap` seconds,
-    and only leaders that `admits` takes (hivemind `PeerID` -> bool) in its queue."""
+    only leaders that `admits` takes (hivemind `PeerID` -> bool) in its queue, and each
+    leader dialed by `reach` before it is handed to the join request."""
 
     gap = MIN_READ_GAP_S
 
-    def __init__(self, *args: Any, admits: Callable[[Any], bool] = _admit_anyone) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        admits: Callable[[Any], bool] = _admit_anyone,
+        reach: Reach = _as_known,
+    ) -> None:
         super().__init__(*args)
         self.admits = admits
+        self.reach = reach
 
     async def _update_queue_periodically(self, key_manager: Any) -> None:
         await super()._update_queue_periodically(_PacedKeys(key_manager, self.gap, self.admits))
 
+    async def pop_next_leader(self) -> Any:
+        leader = await super().pop_next_leader()
+        await self.reach(leader)
+        return leader
 
-def pace(matchmaking: Any, admits: Callable[[Any], bool] = _admit_anyone) -> None:
+
+def pace(
+    matchmaking: Any, admits: Callable[[Any], bool] = _admit_anyone, reach: Reach = _as_known
+) -> None:
     """Give a hivemind `Matchmaking` a `PacedLeaders` in place of its own (before any
     search has begun: the new one starts empty, as the old one was), following only
-    leaders that `admits` takes."""
+    leaders that `admits` takes, each dialed by `reach` first."""
     old = matchmaking.potential_leaders
     matchmaking.potential_leaders = PacedLeaders(
-        old.peer_id, old.min_matchmaking_time, old.target_group_size, admits=admits
+        old.peer_id, old.min_matchmaking_time, old.target_group_size, admits=admits, reach=reach
     )
