@@ -243,15 +243,22 @@ class OuterLink:
         self.stall_s += time.monotonic() - t0
 
     def fetch_state(
-        self, timeout: float | None = None, attested: tuple[int, str] | None = None
+        self,
+        timeout: float | None = None,
+        attested: tuple[int, str] | None = None,
+        members: Sequence[str] | None = None,
     ) -> int | None:
         """Download (theta_g, m, round) from a live replica into the outer process; theta_g is
         then in `theta_g()`. With `attested` (the stage's attested (round, digest)) only
-        that state is taken. Returns the round, or None when no replica served one."""
+        that state is taken. With `members` (peer ids: the stage's as the coordinator lists
+        them) only those serve it, and from then on the outer process's DHT believes the
+        stage's records of those only, as after a round's `begin_round`. Returns the
+        round, or None when no replica served one."""
         self._require_idle()
         t0 = time.monotonic()
         limit = self.state_timeout_s if timeout is None else timeout
-        self._send(Fetch(timeout_s=limit, attested=attested))
+        listed = None if members is None else list(members)
+        self._send(Fetch(timeout_s=limit, attested=attested, members=listed))
         reply = self._expect(StateFetched, limit + self.transfer_s + 10.0)
         self.stall_s += time.monotonic() - t0
         if not reply.ok:

@@ -226,7 +226,7 @@ class OuterRounds:
             left = deadline - trio.current_time()
             want = self._attested_fn()
             try_s = min(left, FETCH_TRY_S) if want is not None else left
-            got = await self.worker.run(self.link.fetch_state, try_s, want)
+            got = await self.worker.run(self.link.fetch_state, try_s, want, self._members_fn())
             if got is not None or trio.current_time() + 1.0 >= deadline:
                 return got
             log.info("outer: the attested state %s was not served; asking again", want)

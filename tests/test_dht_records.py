@@ -224,3 +224,60 @@ def test_membership_binds_the_guarded_keys_only() -> None:
         other, value=signer.sign_value(dataclasses.replace(other, value=b"\xc3"))
     )
     assert v.validate(elsewhere)  # signed by its owner: kept
+
+
+ENTRIES_SCRIPT = """
+import json, types
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from node.outer.dht_records import MemberRecords, keep_valid_entries
+from protocol.identity import NodeKey
+
+KEY = b"\\x11" * 20
+me, a, d = (NodeKey.generate() for _ in range(3))  # d signs its records but is no member
+reader = MemberRecords(me)
+reader.admit([me.peer_id, a.peer_id])
+protocol = types.SimpleNamespace(
+    record_validator=CompositeValidator([reader]), serializer=MSGPackSerializer)
+now = get_dht_time()
+
+def signed(owner, value, expiration):
+    sub = PeerID.from_base58(owner.peer_id).to_bytes()
+    rec = DHTRecord(KEY, MSGPackSerializer.dumps(sub), MSGPackSerializer.dumps(value), expiration)
+    return sub, MemberRecords(owner).sign_value(rec)
+
+def answer():  # what a node that holds d's record too returns for the key
+    value = DictionaryDHTValue()
+    for owner, expiration in ((a, now + 60), (d, now + 120)):
+        sub, data = signed(owner, True, expiration)
+        value.store(sub, data, expiration)
+    return value
+
+def check():
+    value = answer()
+    ok = DHTProtocol._validate_dictionary(protocol, KEY, value)
+    owners = sorted(str(PeerID(sub)) for sub, _ in value.items()) if ok else []
+    return {"ok": ok, "owners": owners, "latest": value.latest_expiration_time - now}
+
+stock = check()
+keep_valid_entries()
+print(json.dumps({"stock": stock, "kept": check(), "a": a.peer_id}))
+"""
+
+
+def test_a_refused_record_costs_only_itself_in_a_dictionary_answer() -> None:
+    """A node that holds a stranger's signed record beside a member's answers a read of
+    the key with both. Stock hivemind refuses the whole answer when one record fails;
+    after `keep_valid_entries` the reader keeps the member's record, and the answer's
+    newest expiration is the member's, not the refused one's."""
+    out = subprocess.run(
+        [sys.executable, "-c", ENTRIES_SCRIPT],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["stock"]["ok"] is False, got
+    assert got["kept"]["ok"] is True and got["kept"]["owners"] == [got["a"]], got
+    assert math.isclose(got["kept"]["latest"], 60.0, abs_tol=1e-6), got

@@ -76,6 +76,7 @@ COMMANDS: list[c.Command] = [
     ),
     c.Begin(tokens=3, members=[KEY.peer_id, "QmOther"]),
     c.Begin(tokens=3, members=[]),
+    c.Fetch(timeout_s=5.0, members=[KEY.peer_id, "QmOther"]),
     c.Begin(tokens=3, credit=b"\x81\xa1t\xa6credit"),
 ]
 REPLIES: list[c.Reply] = [
@@ -197,6 +198,9 @@ def _with(msg: Any, **changes: Any) -> dict[str, Any]:
         (c.SetState, _with(COMMANDS[1], round=-1)),
         (c.SetState, _with(COMMANDS[1], momentum=1)),
         (c.Fetch, _with(COMMANDS[3], timeout_s=0)),
+        (c.Fetch, _with(COMMANDS[3], members=[""])),
+        (c.Fetch, _with(COMMANDS[3], members=None)),
+        (c.Fetch, _with(COMMANDS[3], members=[KEY.peer_id] * (c.MAX_PEERS + 1))),
         (c.Fetch, _with(COMMANDS[3], timeout_s=float("inf"))),
         (c.Fetch, _with(COMMANDS[3], timeout_s=10**400)),
         (c.Begin, _with(COMMANDS[4], tokens=10**30)),

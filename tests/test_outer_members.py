@@ -226,3 +226,37 @@ def test_replicas_that_restarted_together_find_each_other(
             return
         print(f"attempt {attempt}: group sizes {ra.group_size}, {rb.group_size}")
     pytest.fail("the two replicas never formed a group of two in 3 rounds")
+
+
+def test_a_joiner_told_the_members_takes_no_strangers_state(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """A stage with no attested state yet: member A holds round 0; C, a stranger on the
+    stage's DHT, holds a state of round 5 (the higher sharing priority). A joiner not
+    told the members (the control) downloads C's round 5; a joiner told them (the node
+    passes its view with the fetch) downloads A's round 0."""
+    run = uuid.uuid4().hex[:8]
+    a_key, c_key = NodeKey.generate(), NodeKey.generate()
+
+    def start(key: NodeKey, boot: list[str]) -> OuterLink:
+        link = OuterLink.start(
+            run_id=run, stage=0, numel=N, config=CFG, env=child_env, initial_peers=boot,
+            identity=key.libp2p_private_key(),
+        )  # fmt: skip
+        links.append(link)
+        return link
+
+    a = start(a_key, [])
+    a.set_initial_state([vec(0)])
+    c = start(c_key, a.dht_addrs())
+    c.set_initial_state([vec(5)], round_=5)
+    for attempt in range(3):  # the control: C's declaration is seen and preferred
+        if start(NodeKey.generate(), a.dht_addrs()).fetch_state(timeout=15) == 5:
+            break
+        print(f"attempt {attempt}: the control joiner did not take C's round 5 yet")
+    else:
+        pytest.fail("a joiner not told the members never took the stranger's state")
+    b_key = NodeKey.generate()
+    b = start(b_key, a.dht_addrs())
+    assert b.fetch_state(timeout=15, members=[a_key.peer_id, b_key.peer_id]) == 0
+    assert b.digest == a.digest and torch.equal(b.theta_g(), vec(0))

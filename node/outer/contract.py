@@ -178,15 +178,22 @@ class Fetch:
     OP: ClassVar[str] = "fetch"
     timeout_s: float  # how long to keep trying (s)
     attested: Link | None = None  # take only this (round, digest) (None: any valid state)
+    # the peer ids the coordinator lists on this stage: the only state sources, and the
+    # only owners of the stage's DHT records believed from now on; None: as told before
+    members: list[str] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return with_link({"op": self.OP, "timeout_s": self.timeout_s}, "attested", self.attested)
+        out: dict[str, Any] = {"op": self.OP, "timeout_s": self.timeout_s}
+        if self.members is not None:
+            out["members"] = list(self.members)
+        return with_link(out, "attested", self.attested)
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj, optional=("attested",))
+        d = fields_of(cls, obj, optional=("attested", "members"))
         timeout = float_of(d, "timeout_s", cls, lo=0.0, hi=MAX_WAIT_S, lo_open=True)
-        return cls(timeout_s=timeout, attested=link_of(d, "attested", cls))
+        members = strs_of(d, "members", cls) if "members" in d else None
+        return cls(timeout_s=timeout, attested=link_of(d, "attested", cls), members=members)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

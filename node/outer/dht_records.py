@@ -15,15 +15,15 @@ interface, duck-typed so this module loads without hivemind). hivemind signs eac
 its own node stores with it (`sign_value`) and checks every record a peer asks it to
 store or returns to its reads (`validate`): a record whose owner is not an ed25519 peer,
 whose signature does not verify, or whose expiration lies more than `MAX_RECORD_AHEAD_S`
-ahead is refused (a read drops what that peer returned for the key), and so is one under
+ahead is refused (only that record of an answer or a store of several:
+`keep_valid_entries`), and so is one under
 a key of this replica's stage (`guarded`, by DHT id) whose owner is not admitted. The
 run's stages share one DHT, so a replica also holds other stages' records: those need a
 valid owner signature only, and their own stage's replicas check membership when they
-read them. Admitted: the members the coordinator listed in the replica's rounds
-(`admit`), each for `GRACE_S` after it was last listed, longer than any record it stored
+read them. Admitted: the members the coordinator listed to the replica (`admit`), each for `GRACE_S` after it was last listed, longer than any record it stored
 while listed can live, so a departed member's records expire before it stops being
-believed. Until the first list arrives (a joiner fetching its state) every correctly
-signed record is taken.
+believed. Until the first list arrives (it comes with the outer process's first state
+fetch, and with every round) every correctly signed record is taken.
 """
 
 from __future__ import annotations
@@ -173,6 +173,39 @@ class MemberRecords:
 
     def merge_with(self, other: Any) -> bool:
         return isinstance(other, MemberRecords)  # one per DHT
+
+
+def keep_valid_entries() -> None:
+    """Make hivemind's `DHTProtocol` drop the records of a dictionary value that fail
+    validation and keep the rest, where it drops the whole dictionary.
+    Stock hivemind refuses every record a peer returns for a key when one of them fails:
+    a stranger's record (of a peer not yet listed, or a forgery the answering node
+    kept because its own list had not arrived) hid every member's record in that answer.
+    Only refusals change: a dictionary that validates is kept as it was. Call it in the
+    process that builds the DHT, before it does (the DHT process is forked from it)."""
+    # imported here: the rest of this module loads without hivemind
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.dht.validation import DHTRecord
+
+    def _validate_dictionary(self: Any, key_bytes: bytes, dictionary: Any) -> bool:
+        if self.record_validator is None:
+            return True
+        with dictionary.freeze():
+            bad = [
+                subkey
+                for subkey, (value, expiration) in dictionary.items()
+                if not self.record_validator.validate(
+                    DHTRecord(key_bytes, self.serializer.dumps(subkey), value, expiration)
+                )
+            ]
+            for subkey in bad:
+                del dictionary[subkey]
+            if bad:  # the dictionary's newest expiration was perhaps a refused record's
+                left = [e for _subkey, (_value, e) in dictionary.items()]
+                dictionary.latest_expiration_time = max(left, default=float("-inf"))
+        return True
+
+    DHTProtocol._validate_dictionary = _validate_dictionary
 
 
 async def _admit(_dht: Any, _node: Any, members: list[str]) -> int:

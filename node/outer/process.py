@@ -10,15 +10,15 @@ passed in `Begin`) is newer than ours, downloading exactly that state; average w
 whoever forms a group before `matchmaking_s` (alone otherwise); apply elastic Nesterov
 when this replica holds the group's canonical state (the state most members hold; among
 equally held ones the attested state more than half the members name, then the newest
-round: `node.outer.parts.group_canonical`), or adopt the stepped state
-from a groupmate that held it when it does not. A replica that stepped alone since it
-last held a group's state carries those steps: when its group steps that earlier state,
-its contribution is its whole progress from it (`node.outer.parts.carried_view`), so
-the lone work is averaged in rather than dropped. A group with nothing to average (no
-contribution had tokens) still settles the canonical state: its holders keep it, the
-others download it from them. State is downloaded from the group's holders only, never
-from whoever declares the highest DHT priority. Replicas stay bitwise identical because
-each decodes the same compressed bytes in the same order.
+round: `node.outer.parts.group_canonical`), or adopt the stepped state from a groupmate
+that held it when it does not. A replica that stepped alone since it last held a group's
+state carries those steps: when its group steps that earlier state, its contribution is
+its whole progress from it (`node.outer.parts.carried_view`), so the lone work is
+averaged in rather than dropped. A group with nothing to average (no contribution had
+tokens) still settles the canonical state: its holders keep it, the others download it
+from them. State is downloaded from the group's holders only, never from whoever
+declares the highest DHT priority. Replicas stay bitwise identical because each decodes
+the same compressed bytes in the same order.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from node.outer.contract import (
     encode,
 )
 from node.outer.contract_fields import MAX_ADDR, MAX_PEERS, MAX_TEXT
-from node.outer.dht_records import MemberRecords, admit_members
+from node.outer.dht_records import MemberRecords, admit_members, keep_valid_entries
 from node.outer.lifecycle import identity_file, node_key, vanish
 from node.outer.parts import MAX_ADDRS, group_canonical, group_target, named_attested
 from node.outer.settings import MAX_COUNT
@@ -169,11 +169,13 @@ class OuterProcess:
         self.prefix = f"agora-{init.run_id}-stage{init.stage}"
         key = node_key(init.identity)
         # built before the DHT process forks from this one: that process's copy is the
-        # one `admit_members` updates
+        # one `admit_members` updates (and its DHT drops refused records one by one)
+        keep_valid_entries()
         self.records = MemberRecords(key, guarded=[
             DHTID.generate(source=f"{self.prefix}{k}").to_bytes()
             for k in (".0b", ".all_averagers", ".addrs")  # matchmaking, sharing, addresses
         ])  # fmt: skip
+        self.refused = 0  # records its validator refused, not yet reported in a round
         with identity_file(key.libp2p_private_key()) as identity_path:
             self.dht = DHT(
                 initial_peers=list(init.initial_peers),
@@ -246,6 +248,8 @@ class OuterProcess:
             self.adopt(state, cmd.lineage)
             return StateSet(round=state.round, digest=self.digest, lineage=list(self.lineage))
         if isinstance(cmd, Fetch):
+            if cmd.members is not None:
+                self.admit(cmd.members)
             ok = self.holds(cmd.attested) or self.download(
                 cmd.timeout_s, min_round=-1, want=cmd.attested
             )
@@ -330,6 +334,12 @@ class OuterProcess:
             time.sleep(0.2)
         return False
 
+    def admit(self, members: list[str] | None) -> None:
+        """Groups, state sources, the stage's DHT records: of `members` only (None: anyone)."""
+        self.averager.prepare(members)
+        if members is not None:
+            self.refused += admit_members(self.dht, members) or 0
+
     def peers_looking_for_group(self) -> int:
         """Other replicas of this stage whose matchmaking declaration (hivemind's group key,
         one subkey per averager, True while it looks for a group) has not expired."""
@@ -357,9 +367,7 @@ class OuterProcess:
         t0 = time.monotonic()
         if self.state is None:
             return RoundFailed(error="no state: call set_state or fetch_state first")
-        self.averager.prepare(members)
-        # the DHT keeps and believes records of these members only (and of ours)
-        refused = (admit_members(self.dht, members) if members is not None else None) or 0
+        self.admit(members)
         base = self.state
         delta = base.theta_g - self.snap
         ref_norm = float(torch.linalg.vector_norm(base.theta_g))
@@ -434,6 +442,7 @@ class OuterProcess:
             contributed = applied and self.own_weight(info) > 0.0
         with self.lock:
             state_in, state_out, self.state_in, self.state_out = self.state_in, self.state_out, 0, 0
+        refused, self.refused = self.refused, 0  # since the last round's report
         return RoundResult(
             round=rnd,
             applied=applied,
