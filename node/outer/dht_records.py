@@ -16,14 +16,15 @@ its own node stores with it (`sign_value`) and checks every record a peer asks i
 store or returns to its reads (`validate`): a record whose owner is not an ed25519 peer,
 whose signature does not verify, or whose expiration lies more than `MAX_RECORD_AHEAD_S`
 ahead is refused (only that record of an answer or a store of several:
-`keep_valid_entries`), and so is one under
-a key of this replica's stage (`guarded`, by DHT id) whose owner is not admitted. The
-run's stages share one DHT, so a replica also holds other stages' records: those need a
-valid owner signature only, and their own stage's replicas check membership when they
-read them. Admitted: the members the coordinator listed to the replica (`admit`), each for `GRACE_S` after it was last listed, longer than any record it stored
-while listed can live, so a departed member's records expire before it stops being
-believed. Until the first list arrives (it comes with the outer process's first state
-fetch, and with every round) every correctly signed record is taken.
+`keep_valid_entries`), and so is one under a key of this replica's stage (`guarded`, by
+DHT id) whose owner is not admitted. The run's stages share one DHT, so a replica also
+holds other stages' records: those need a valid owner signature only, and their own
+stage's replicas check membership when they read them. Admitted: the members the
+coordinator listed to the replica (`admit`), each for `GRACE_S` after it was last
+listed, longer than any record it stored while listed can live, so a departed member's
+records expire before it stops being believed. Until the first list arrives (it comes
+with the outer process's first state fetch, and with every round) every correctly signed
+record is taken.
 """
 
 from __future__ import annotations
