@@ -41,15 +41,31 @@ def vec(seed: int) -> torch.Tensor:
     return torch.randn(N, generator=torch.Generator().manual_seed(seed))
 
 
+def start_replica(
+    links: list[OuterLink],
+    env: dict[str, str],
+    run: str,
+    key: NodeKey | None,
+    boot: list[str] | None = None,
+    *,
+    stage: int = 0,
+    cfg: OuterConfig = CFG,
+) -> OuterLink:
+    """An outer process for `stage` of `run` under `key` (None: a key of its own), joined
+    to the DHT at `boot`; `links` closes it at the end."""
+    link = OuterLink.start(
+        run_id=run, stage=stage, numel=N, initial_peers=boot or [], config=cfg, env=env,
+        identity=key.libp2p_private_key() if key is not None else b"",
+    )  # fmt: skip
+    links.append(link)
+    return link
+
+
 def test_the_outer_process_runs_under_the_nodes_key(
     links: list[OuterLink], child_env: dict[str, str]
 ) -> None:
     key = NodeKey.generate()
-    link = OuterLink.start(
-        run_id=uuid.uuid4().hex[:8], stage=0, numel=N, config=CFG, env=child_env,
-        identity=key.libp2p_private_key(),
-    )  # fmt: skip
-    links.append(link)
+    link = start_replica(links, child_env, uuid.uuid4().hex[:8], key)
     assert link.peer_id == key.peer_id
     assert link.dht_addrs() and all(a.endswith(f"/p2p/{key.peer_id}") for a in link.dht_addrs())
 
@@ -64,12 +80,7 @@ def start_stage(
     out: list[OuterLink] = []
     for key in keys:
         boot = [a for m in out for a in m.dht_addrs()]
-        link = OuterLink.start(
-            run_id=run, stage=0, numel=N, initial_peers=boot, config=cfg, env=env,
-            identity=key.libp2p_private_key(),
-        )  # fmt: skip
-        links.append(link)
-        out.append(link)
+        out.append(start_replica(links, env, run, key, boot, cfg=cfg))
     out[0].set_initial_state([vec(0)])
     for link in out[1:]:
         assert link.fetch_state(timeout=15) == 0 and link.digest == out[0].digest
@@ -169,11 +180,7 @@ def test_a_replica_alone_on_its_stage_steps_at_once(
         state_timeout_s=10.0, diloco=CFG.diloco,
     )  # fmt: skip
     key = NodeKey.generate()
-    link = OuterLink.start(
-        run_id=uuid.uuid4().hex[:8], stage=0, numel=N, config=cfg, env=child_env,
-        identity=key.libp2p_private_key(),
-    )  # fmt: skip
-    links.append(link)
+    link = start_replica(links, child_env, uuid.uuid4().hex[:8], key, cfg=cfg)
     link.set_initial_state([vec(0)])
     begin(link, 0, [key.peer_id])
     result = link.wait_result(3 * window)
@@ -191,25 +198,16 @@ def test_replicas_that_restarted_together_find_each_other(
     fails ("dial backoff") for as long as it keeps trying. A join request goes to the
     leader at the address it announces on the stage's DHT, so they still form a group."""
     run = uuid.uuid4().hex[:8]
-    root = OuterLink.start(run_id=run, stage=1, numel=N, config=CFG, env=child_env)
-    links.append(root)
+    root = start_replica(links, child_env, run, None, stage=1)
     keys = [NodeKey.generate() for _ in range(2)]
     dead: list[list[str]] = []
     for key in keys:  # the old processes: their addresses outlive them
-        old = OuterLink.start(
-            run_id=run, stage=0, numel=N, config=CFG, env=child_env,
-            identity=key.libp2p_private_key(),
-        )  # fmt: skip
+        old = start_replica(links, child_env, run, key)
         dead.append(old.dht_addrs())
         old.close(timeout=10.0)
     pair = []
     for i, key in enumerate(keys):
-        link = OuterLink.start(
-            run_id=run, stage=0, numel=N, config=CFG, env=child_env,
-            initial_peers=[*root.dht_addrs(), *dead[1 - i]],
-            identity=key.libp2p_private_key(),
-        )  # fmt: skip
-        links.append(link)
+        link = start_replica(links, child_env, run, key, [*root.dht_addrs(), *dead[1 - i]])
         link.set_initial_state([vec(0)])
         pair.append(link)
     members = [k.peer_id for k in keys]
@@ -238,25 +236,18 @@ def test_a_joiner_told_the_members_takes_no_strangers_state(
     run = uuid.uuid4().hex[:8]
     a_key, c_key = NodeKey.generate(), NodeKey.generate()
 
-    def start(key: NodeKey, boot: list[str]) -> OuterLink:
-        link = OuterLink.start(
-            run_id=run, stage=0, numel=N, config=CFG, env=child_env, initial_peers=boot,
-            identity=key.libp2p_private_key(),
-        )  # fmt: skip
-        links.append(link)
-        return link
-
-    a = start(a_key, [])
+    a = start_replica(links, child_env, run, a_key)
     a.set_initial_state([vec(0)])
-    c = start(c_key, a.dht_addrs())
+    c = start_replica(links, child_env, run, c_key, a.dht_addrs())
     c.set_initial_state([vec(5)], round_=5)
     for attempt in range(3):  # the control: C's declaration is seen and preferred
-        if start(NodeKey.generate(), a.dht_addrs()).fetch_state(timeout=15) == 5:
+        control = start_replica(links, child_env, run, None, a.dht_addrs())
+        if control.fetch_state(timeout=15) == 5:
             break
         print(f"attempt {attempt}: the control joiner did not take C's round 5 yet")
     else:
         pytest.fail("a joiner not told the members never took the stranger's state")
     b_key = NodeKey.generate()
-    b = start(b_key, a.dht_addrs())
+    b = start_replica(links, child_env, run, b_key, a.dht_addrs())
     assert b.fetch_state(timeout=15, members=[a_key.peer_id, b_key.peer_id]) == 0
     assert b.digest == a.digest and torch.equal(b.theta_g(), vec(0))
