@@ -218,6 +218,13 @@ def aggregate_part(
     return _aggregate(contribs, ref_norm * share, cfg.clip_radius * share, cfg, own)
 
 
+# how the rejection reasons that only robust aggregation gives begin: the pair bound's and
+# the majority direction's (with `outer_robust` off neither rule runs, so a round whose
+# aggregates name neither reason computed what the plain weighted mean computes)
+PAIR_REASON = "pair: "
+DIRECTION_REASON = "direction: "
+ROBUST_REASONS = (PAIR_REASON, DIRECTION_REASON)
+
 # a pair-bound rejection is reported to the coordinator (`Aggregate.suspect`) only for a
 # norm past the bound or a cosine below this: opposed to the reducer's own descent. Honest
 # pairs reached cosines of -0.014 in a real swarm (a replica near the end of its data, one
@@ -236,18 +243,29 @@ def pair_problem(
     unrelated to the reducer's own. Honest replicas start from one theta_g and descend
     one loss, so their pseudo-gradients point alike (docs/outer-averaging.md). Returns the
     reason and whether no honest replica sends such a contribution (a norm past the
-    bound, or a cosine below `OPPOSED_COS`): only those are reported."""
+    bound, or a cosine below `OPPOSED_COS`): only those are reported. A reducer whose own
+    part did not move (it trained nothing since its round began, as at the end of a
+    drain) has no descent to judge by and rejects nothing: the other contribution is
+    then bounded by the single-contribution rules alone."""
     a, b = ours.delta, theirs.delta
     na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
+    if na == 0.0:
+        return None
     if cfg.pair_max_ratio > 0.0:
         limit = cfg.pair_max_ratio * na * max(1.0, theirs.tokens / max(ours.tokens, 1))
         if nb > limit:
-            return f"pair: norm {nb:.3g} above {cfg.pair_max_ratio} x the reducer's {na:.3g}", True
+            return (
+                f"{PAIR_REASON}norm {nb:.3g} above {cfg.pair_max_ratio} x the reducer's {na:.3g}",
+                True,
+            )
     if cfg.pair_cos_sigmas > 0.0 and na > 0.0 and nb > 0.0:
         cos = float(torch.dot(a, b)) / (na * nb)
         floor = cfg.pair_cos_sigmas / math.sqrt(a.numel())
         if cos < floor:
-            return f"pair: cosine {cos:.3g} with the reducer's below {floor:.3g}", cos < OPPOSED_COS
+            return (
+                f"{PAIR_REASON}cosine {cos:.3g} with the reducer's below {floor:.3g}",
+                cos < OPPOSED_COS,
+            )
     return None
 
 
@@ -295,7 +313,7 @@ def direction_problems(
         if agree < need:
             opposed = sum(1 for c in others if c < OPPOSED_COS) * 2 > len(others)
             reason = (
-                f"direction: agrees with {agree} of {m - 1} others (cosine >= {floor:.3g}), "
+                f"{DIRECTION_REASON}agrees with {agree} of {m - 1} others (cosine >= {floor:.3g}), "
                 f"needs {need}; cosines {', '.join(f'{c:.3g}' for c in others)}"
             )
             found[i] = (reason, opposed)

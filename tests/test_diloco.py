@@ -315,6 +315,13 @@ def test_the_pair_bound_applies_to_two_usable_contributions_with_the_reducers_ow
     # the reducer's own is rejected (no tokens): nothing to bound against
     stale = [Contribution(delta=ours, tokens=0), Contribution(delta=-theirs, tokens=100)]
     assert aggregate_part(stale, 10.0, 1.0, DilocoConfig(), own=0).weights == [0.0, 100.0]
+    # the reducer's own part did not move (it trained nothing since its round began, as
+    # at the end of a drain): nothing to judge by, so the other counts as in the plain mean
+    still = [Contribution(delta=torch.zeros_like(ours), tokens=100), cs[1]]
+    agg = aggregate_part(still, 10.0, 1.0, DilocoConfig(), own=0)
+    off = aggregate_part(still, 10.0, 1.0, DilocoConfig(pair_max_ratio=0.0, pair_cos_sigmas=0.0))
+    assert agg.weights == [100.0, 100.0] and not agg.rejected and agg.delta is not None
+    assert off.delta is not None and torch.equal(agg.delta, off.delta)
     # no reducer (a lone step, the all-gather scheme): no pair bound
     assert aggregate_part(cs, 10.0, 1.0, DilocoConfig()).weights == [100.0, 100.0]
     # three contributions: the majority's direction rule instead, with or without a reducer

@@ -18,6 +18,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from node.diloco import ROBUST_REASONS
 from node.outer.settings import MAX_COUNT
 from protocol.codec import packb, unpackb
 from protocol.credit import MAX_CREDIT_BYTES
@@ -301,7 +302,7 @@ def needs_others(reason: str) -> bool:
     contribution alone: the median check's, the pair bound's (`node.diloco.
     pair_problem`, against the reducer's own contribution) or the majority's direction
     (`node.diloco.direction_problems`). The audit re-checks them."""
-    return "median" in reason or reason.startswith(("pair: ", "direction: "))
+    return "median" in reason or reason.startswith(ROBUST_REASONS)
 
 
 def own_entry_finding(
