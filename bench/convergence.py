@@ -196,6 +196,7 @@ def _swarm_json(
         "outer_rounds": r.outer_rounds,
         "lone_rounds": r.lone_rounds,
         "carried_rounds": r.carried_rounds,
+        **r.robust,
         "seconds": round(r.seconds, 1),
         "audit_clean": r.audit_clean,
         "export_rounds": r.rounds,
@@ -379,6 +380,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 out[f"{name}{sfx}"] = sum(d[name] for d in done)
         if ratios:
             out.update(_interval_json(f"traffic_ratio{sfx}", mean_interval(ratios)))
+        if done:  # zero with groups of two: the run is the one with outer_robust off
+            out[f"robust_rejections{sfx}_per_seed"] = [d["robust_rejections"] for d in done]
+            out[f"largest_group{sfx}"] = max(d["largest_group"] for d in done)
     return out
 
 

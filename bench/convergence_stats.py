@@ -11,6 +11,11 @@
   checks it), so one run serves every token count of a seed.
 - `CENTRAL_FLOOR`: the central run's lr schedules after warm-up, shared by this bench and
   `agora bench outer-sweep`'s simulation.
+- `robust_rejections(applied)`: how often robust aggregation changed a swarm run's outer
+  rounds: the part contributions its pair and direction rules left out, counted once per
+  group round from the nodes' `round_applied` events. Zero in a run whose groups never
+  held three members (centered clipping needs three) means the run computed exactly the
+  aggregates it would have with `outer_robust` off.
 - `heldout_split(dataset, split)`: the dataset with its held-out tokens cut down to one
   split of the held-out shards: `heldout` (all of them), `validation` (the 2nd, 4th, ...
   held-out shard) or `test` (the 1st, 3rd, ...): validation and test are disjoint, so a
@@ -21,15 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from node.baseline import ChainedStages, TrainConfig, evaluate, lr_at, train_step
 from node.data import Dataset, RandomBatches, eval_batches, tokens_tensor
+from node.diloco import ROBUST_REASONS
 from node.model import param_groups
 from protocol.corpus import ShardInfo, shard_data
 
@@ -152,3 +160,34 @@ def heldout_split(dataset: Dataset, split: str) -> Dataset:
     width = dataset.manifest.token_bytes
     chunk = b"".join(shard_data(dataset.data, s, width) for s in shards)
     return dataclasses.replace(dataset, heldout=tokens_tensor(chunk, width))
+
+
+# one robust rejection in a `rejected` reason: the outer process joins a peer's reasons
+# over the parts as "part J: REASON; part K: REASON" (the all-gather: "REASON")
+_ROBUST = re.compile(
+    r"(?:^|; )(?:part \d+: )?(?:" + "|".join(re.escape(r) for r in ROBUST_REASONS) + ")"
+)
+
+
+def robust_rejections(applied: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, int]:
+    """From (stage, `round_applied` event) pairs of every node of a run: its distinct group
+    rounds (a group's members apply one (stage, round, digest), so each counts once), the
+    largest group, the part contributions judged (a group of g members cuts g parts, each
+    judging every member's piece: g^2) and those that the robust rules (the pair bound and
+    the majority's direction, `node.diloco.ROBUST_REASONS`) left out."""
+    rounds: dict[tuple[int, int, str], Mapping[str, Any]] = {}
+    for stage, e in applied:
+        if int(e.get("group_size", 1)) > 1:
+            rounds.setdefault((stage, int(e["round"]), str(e.get("digest", ""))), e)
+    sizes = [int(e["group_size"]) for e in rounds.values()]
+    rejected = sum(
+        len(_ROBUST.findall(str(why)))
+        for e in rounds.values()
+        for why in (e.get("rejected") or {}).values()
+    )
+    return {
+        "group_rounds": len(rounds),
+        "largest_group": max(sizes, default=1),
+        "part_contributions": sum(g * g for g in sizes),
+        "robust_rejections": rejected,
+    }

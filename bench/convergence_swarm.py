@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.convergence_stats import robust_rejections
 from bench.outer_tally import OuterTally
 from node.baseline import evaluate_weights
 from node.data import Dataset
@@ -66,6 +67,8 @@ class SwarmRun:
     # rounds (node.outer.parts.carried_view), summed over nodes (`round_applied` events)
     lone_rounds: int
     carried_rounds: int
+    # what robust aggregation left out of the group rounds (`robust_rejections`)
+    robust: dict[str, int]
     seconds: float
     audit_clean: bool
     rounds: dict[int, int]  # stage -> round of the exported state
@@ -218,7 +221,10 @@ def run_swarm(
         config, tensors, dataset,
         batch_size=args.batch_size, seq_len=args.seq_len, n_batches=args.eval_batches,
     )  # fmt: skip
-    applied = [e for name in swarm.nodes for e in swarm.events(name, "round_applied")]
+    by_stage = [
+        (stage_of[name], e) for name in swarm.nodes for e in swarm.events(name, "round_applied")
+    ]
+    applied = [e for _, e in by_stage]
     steps: dict[int, float] = {s: 0.0 for s in range(shape.stages)}
     for name, m in last.items():
         steps[stage_of[name]] += m["agora_node_tokens_total"] / inner_tokens
@@ -233,6 +239,7 @@ def run_swarm(
         outer_rounds=sum(m["agora_node_outer_steps_total"] for m in last.values()),
         lone_rounds=sum(e["group_size"] == 1 and not e["rebased"] for e in applied),
         carried_rounds=sum(bool(e.get("carried")) for e in applied),
+        robust=robust_rejections(by_stage),
         seconds=seconds,
         audit_clean=audit.clean,
         rounds=got.rounds,

@@ -19,12 +19,14 @@ from bench.convergence_stats import (
     central_steps,
     heldout_split,
     mean_interval,
+    robust_rejections,
     split_shards,
     t975,
 )
 from node.baseline import TrainConfig, train
 from node.config import NodeConfig
 from node.data import load_dataset
+from node.diloco import Contribution, DilocoConfig, direction_problems, pair_problem
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SMALL = ["--batch-size", "4", "--seq-len", "64", "--eval-batches", "2", "--warmup", "2"]
@@ -90,7 +92,8 @@ def test_validation_and_test_splits_are_disjoint_halves_of_the_heldout_shards(
 def test_summarise_reports_each_seed_and_the_interval() -> None:
     rows = [
         {"seed": s, "swarm": {"gap_pct": g, "traffic_ratio": 100.0, "outer_bytes_total": 5.0,
-                              "ddp_equivalent_bytes": 500.0}}
+                              "ddp_equivalent_bytes": 500.0, "robust_rejections": s,
+                              "largest_group": 2}}
         for s, g in ((0, 1.0), (1, 3.0))
     ]  # fmt: skip
     out = summarise(rows)
@@ -98,12 +101,40 @@ def test_summarise_reports_each_seed_and_the_interval() -> None:
     assert out["outer_bytes_total"] == 10.0 and out["ddp_equivalent_bytes"] == 1000.0
     assert out["gap_pct_ci_low"] < 2.0 < out["gap_pct_ci_high"]
     assert "gap_churn_pct_mean" not in out and "gap_4stage_pct_mean" not in out
+    assert out["robust_rejections_per_seed"] == [0, 1] and out["largest_group"] == 2
     four = [r | {"4stage": r["swarm"] | {"gap_pct": 2 * r["swarm"]["gap_pct"]}} for r in rows]
     got = summarise(four)
     assert got["gap_4stage_pct_per_seed"] == [2.0, 6.0] and got["gap_4stage_pct_mean"] == 4.0
     assert got["outer_bytes_total_4stage"] == 10.0 and got["gap_pct_mean"] == 2.0
     one = summarise(rows[:1])
     assert one["gap_pct_ci_low"] is None and one["gap_pct_ci_high"] is None
+
+
+def test_robust_rejections_count_each_group_round_once() -> None:
+    pair = pair_problem(
+        Contribution(delta=torch.ones(64), tokens=1, staleness=0),
+        Contribution(delta=-torch.ones(64), tokens=1, staleness=0),
+        DilocoConfig(),
+    )
+    direction = direction_problems(
+        [torch.ones(256), torch.ones(256), -torch.ones(256)], [0, 1, 2], 4.0
+    )
+    assert pair is not None and 2 in direction
+    why = f"part 0: {pair[0]}; part 1: {direction[2][0]}; part 1: norm 9 above 4 x median 1"
+    member = {"round": 3, "group_size": 2, "digest": "d", "rejected": {"b": why}}
+    events = [
+        (0, member),
+        (0, member | {"rejected": {"b": why}}),  # its groupmate's event for the same round
+        (1, member),  # stage 1's round 3 is another group round
+        (0, {"round": 4, "group_size": 1, "digest": "e", "rejected": {}}),  # alone
+        (0, {"round": 5, "group_size": 3, "digest": "f", "rejected": {"c": "part 2: pair"}}),
+    ]
+    got = robust_rejections(events)
+    assert got == {
+        "group_rounds": 3, "largest_group": 3, "part_contributions": 4 + 4 + 9,
+        "robust_rejections": 4,
+    }  # fmt: skip
+    assert robust_rejections([])["largest_group"] == 1
 
 
 def test_central_runs_at_two_seeds_on_a_user_corpus(tmp_path: Path) -> None:
