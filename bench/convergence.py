@@ -103,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="central sequences per step")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak inner/central lr (default 2e-3)")
+    p.add_argument(
+        "--inner-lr", type=float, default=None,
+        help="the swarm's peak inner lr when it differs from the central run's (default: --lr)",
+    )  # fmt: skip
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps, central and inner")
     p.add_argument(
         "--central-schedule", default="constant", choices=sorted(CENTRAL_FLOOR),
@@ -258,6 +262,8 @@ def _problem(args: argparse.Namespace, runs: set[str]) -> str | None:
         )
     if args.replicas < 1:
         return f"--replicas must be >= 1, got {args.replicas}"
+    if args.inner_lr is not None and not args.inner_lr > 0:
+        return f"--inner-lr must be > 0, got {args.inner_lr}"
     if args.outer_every_steps < 0:
         return f"--outer-every-steps must be >= 0, got {args.outer_every_steps}"
     if "churn" in runs and args.replicas < 2:
@@ -315,6 +321,7 @@ def main(argv: list[str]) -> int:
         "central_batch_tokens": central_tokens,
         "central_token_match": "committed",
         "lr": args.lr,
+        "inner_lr": args.lr if args.inner_lr is None else args.inner_lr,
         "central_schedule": args.central_schedule,
         "participation_power": args.participation_power,
         "outer_lr": args.outer_lr,
