@@ -430,6 +430,12 @@ def _table(out: dict[str, Any]) -> None:
                 lo, hi = out[f"{key}_ci_low"], out[f"{key}_ci_high"]
                 ci = "no interval (one seed)" if lo is None else f"95 % CI [{lo:+.2f}, {hi:+.2f}]"
                 print(f"{label} gap at {what} tokens: mean {out[key + '_mean']:+.2f} %, {ci}")
+        per_seed = out.get(f"robust_rejections{SUFFIX[label]}_per_seed")
+        if per_seed is not None:
+            print(
+                f"{label}: robust aggregation left out {per_seed} part contributions (per seed);"
+                f" largest group {out[f'largest_group{SUFFIX[label]}']}"
+            )
 
 
 def _mb(v: Any) -> str:

@@ -180,7 +180,7 @@ def test_smoke_swarm_against_central_at_its_own_tokens(tmp_path: Path) -> None:
     rc = main(
         [
             "--runs", "central,swarm", "--seeds", "1", "--seed", "1", "--tokens", "4096",
-            *SMALL, "--micro-batch", "4", "--outer-every-steps", "2",
+            *SMALL, "--micro-batch", "4", "--outer-every-steps", "2", "--inner-lr", "3e-3",
             "--dataset", str(corpus(tmp_path)), "--workdir", str(tmp_path / "w"),
             "--run-timeout", "400", "--json", str(out), "--quiet",
         ]
@@ -202,6 +202,13 @@ def test_smoke_swarm_against_central_at_its_own_tokens(tmp_path: Path) -> None:
     assert got["gap_pct_mean"] == swarm["gap_pct"] and got["gap_pct_ci_high"] is None
     run_toml = (tmp_path / "w" / "seed1" / "swarm" / "run.toml").read_text()
     assert "seed = 1" in run_toml
+    # the swarm's inner lr apart from the central run's
+    assert (got["lr"], got["inner_lr"]) == (2e-3, 3e-3)
+    assert "lr = 0.003" in (tmp_path / "w" / "seed1" / "swarm" / "s0-a.toml").read_text()
+    # its commits rode in group rounds of two, and what robust aggregation left out of
+    # them is counted (honest pairs can trip the pair bound at two inner steps a round)
+    assert swarm["group_rounds"] >= 1 and got["largest_group"] == 2
+    assert got["robust_rejections_per_seed"] == [swarm["robust_rejections"]]
 
 
 @pytest.mark.slow
