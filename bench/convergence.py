@@ -120,6 +120,15 @@ def _parser() -> argparse.ArgumentParser:
         f" {_node_default('in_flight')}); 1 = a synchronous pipeline",
     )  # fmt: skip
     p.add_argument(
+        "--lease-pool", type=int, default=None,
+        help=f"leases a stage-0 node draws windows from (default: the node's,"
+        f" {_node_default('lease_pool')})",
+    )  # fmt: skip
+    p.add_argument(
+        "--grant-tokens", type=int, default=None,
+        help="the largest range the coordinator grants (tokens; default: the coordinator's)",
+    )  # fmt: skip
+    p.add_argument(
         "--matchmaking-s", type=float, default=None,
         help="seconds an outer round gathers its group (default: the node's,"
         f" {_node_default('outer_matchmaking_s')})",
@@ -262,6 +271,10 @@ def _problem(args: argparse.Namespace, runs: set[str]) -> str | None:
         )
     if args.replicas < 1:
         return f"--replicas must be >= 1, got {args.replicas}"
+    if args.lease_pool is not None and args.lease_pool < 1:
+        return f"--lease-pool must be >= 1, got {args.lease_pool}"
+    if args.grant_tokens is not None and args.grant_tokens < 1:
+        return f"--grant-tokens must be >= 1, got {args.grant_tokens}"
     if args.inner_lr is not None and not args.inner_lr > 0:
         return f"--inner-lr must be > 0, got {args.inner_lr}"
     if args.outer_every_steps < 0:
@@ -318,6 +331,8 @@ def main(argv: list[str]) -> int:
         "inner_batch_tokens": inner_tokens,
         "in_flight": args.in_flight or _node_default("in_flight"),
         "matchmaking_s": args.matchmaking_s or _node_default("outer_matchmaking_s"),
+        "lease_pool": args.lease_pool or _node_default("lease_pool"),
+        "grant_tokens": args.grant_tokens,  # None: the coordinator's default
         "central_batch_tokens": central_tokens,
         "central_token_match": "committed",
         "lr": args.lr,

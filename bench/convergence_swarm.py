@@ -92,6 +92,7 @@ def node_settings(args: argparse.Namespace, inner_tokens: int) -> dict[str, Any]
         "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum,
         "outer_robust": None if args.outer_robust is None else args.outer_robust == "on",
+        "lease_pool": args.lease_pool,
     }
 
 
@@ -107,6 +108,7 @@ def run_config(args: argparse.Namespace, dataset: Dataset, seed: int) -> dict[st
         "text_column": args.text_column,
         "shard_tokens": max(s.tokens for s in shards),
         "heldout_every": DEFAULT_HELDOUT_EVERY,
+        **({} if args.grant_tokens is None else {"grant_tokens": args.grant_tokens}),
     }
 
 

@@ -169,6 +169,10 @@ def test_bad_arguments_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "--stages must be >= 2" in capsys.readouterr().err
     assert main(["--stages", "5", "--runs", "swarm"]) == 2  # tiny has 4 layers
     assert "too few for 5 stages" in capsys.readouterr().err
+    assert main(["--lease-pool", "0", "--runs", "swarm"]) == 2
+    assert "--lease-pool must be >= 1" in capsys.readouterr().err
+    assert main(["--inner-lr", "0", "--runs", "swarm"]) == 2
+    assert "--inner-lr must be > 0" in capsys.readouterr().err
     assert main(["--preset", "nope", "--runs", "central"]) == 2
     assert "nope" in capsys.readouterr().err
 
@@ -181,6 +185,7 @@ def test_smoke_swarm_against_central_at_its_own_tokens(tmp_path: Path) -> None:
         [
             "--runs", "central,swarm", "--seeds", "1", "--seed", "1", "--tokens", "4096",
             *SMALL, "--micro-batch", "4", "--outer-every-steps", "2", "--inner-lr", "3e-3",
+            "--lease-pool", "2", "--grant-tokens", "2048",
             "--dataset", str(corpus(tmp_path)), "--workdir", str(tmp_path / "w"),
             "--run-timeout", "400", "--json", str(out), "--quiet",
         ]
@@ -204,7 +209,9 @@ def test_smoke_swarm_against_central_at_its_own_tokens(tmp_path: Path) -> None:
     assert "seed = 1" in run_toml
     # the swarm's inner lr apart from the central run's
     assert (got["lr"], got["inner_lr"]) == (2e-3, 3e-3)
-    assert "lr = 0.003" in (tmp_path / "w" / "seed1" / "swarm" / "s0-a.toml").read_text()
+    node_toml = (tmp_path / "w" / "seed1" / "swarm" / "s0-a.toml").read_text()
+    assert "lr = 0.003" in node_toml and "lease_pool = 2" in node_toml
+    assert "grant_tokens = 2048" in run_toml and got["lease_pool"] == 2
     # its commits rode in group rounds of two, and what robust aggregation left out of
     # them is counted (honest pairs can trip the pair bound at two inner steps a round)
     assert swarm["group_rounds"] >= 1 and got["largest_group"] == 2
