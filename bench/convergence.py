@@ -298,6 +298,8 @@ def main(argv: list[str]) -> int:
     if problem is not None:
         print(f"agora bench convergence: {problem}", file=sys.stderr)
         return 2
+    if args.inner_lr is None:  # the swarm's inner lr is the central run's unless given
+        args.inner_lr = args.lr
     torch.set_num_threads(int(os.environ.get("AGORA_TORCH_THREADS", "1")))
     try:
         dataset = load_dataset(args.dataset, text_column=args.text_column)
@@ -336,7 +338,7 @@ def main(argv: list[str]) -> int:
         "central_batch_tokens": central_tokens,
         "central_token_match": "committed",
         "lr": args.lr,
-        "inner_lr": args.lr if args.inner_lr is None else args.inner_lr,
+        "inner_lr": args.inner_lr,
         "central_schedule": args.central_schedule,
         "participation_power": args.participation_power,
         "outer_lr": args.outer_lr,

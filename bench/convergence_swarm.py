@@ -82,7 +82,7 @@ def node_settings(args: argparse.Namespace, inner_tokens: int) -> dict[str, Any]
         "seq_len": args.seq_len,
         "in_flight": args.in_flight,
         "inner_batch_tokens": inner_tokens,
-        "lr": args.lr if args.inner_lr is None else args.inner_lr,
+        "lr": args.inner_lr,
         "warmup_steps": args.warmup,
         "outer_every_steps": args.outer_every_steps,
         "outer_compression": args.outer_compression,

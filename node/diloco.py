@@ -258,7 +258,7 @@ def pair_problem(
                 f"{PAIR_REASON}norm {nb:.3g} above {cfg.pair_max_ratio} x the reducer's {na:.3g}",
                 True,
             )
-    if cfg.pair_cos_sigmas > 0.0 and na > 0.0 and nb > 0.0:
+    if cfg.pair_cos_sigmas > 0.0 and nb > 0.0:
         cos = float(torch.dot(a, b)) / (na * nb)
         floor = cfg.pair_cos_sigmas / math.sqrt(a.numel())
         if cos < floor:
