@@ -77,6 +77,22 @@ def test_worker_runs_one_job_at_a_time_in_the_gates_order() -> None:
     assert order == ["fresh1", "step", "retry", "backward"]  # stopped: nothing more
 
 
+def test_a_stopped_worker_frees_its_share_of_the_cores_at_once() -> None:
+    """A SIGKILLed node's running job stops using the host: the other task, sharing one
+    core with it, runs at full speed from the kill on and its job's callback never runs."""
+    eng = Engine()
+    host = Host(eng, 1.0)
+    killed = Worker(host)
+    done: dict[str, float] = {}
+    killed.submit(1.0, lambda: done.__setitem__("killed", eng.now))
+    host.submit(1.0, lambda: done.__setitem__("other", eng.now))
+    eng.at(0.5, killed.stop)
+    eng.run(5.0)
+    assert "killed" not in done
+    assert done["other"] == pytest.approx(1.25)  # 0.25 done at half speed, 0.75 alone
+    assert host.busy_s == pytest.approx(1.25)
+
+
 def test_transfer_serialises_the_uplink_and_adds_latency() -> None:
     eng = Engine()
     a = Link(up_bps=8e6, down_bps=8e6, rtt_s=0.1)

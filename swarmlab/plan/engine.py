@@ -110,11 +110,20 @@ class Host:
         self.background = max(0.0, self.background + threads)
         self._schedule()
 
-    def submit(self, work_s: float, done: Callback) -> None:
+    def submit(self, work_s: float, done: Callback) -> int:
+        """Run `work_s` core-seconds, then `done`; returns the task's id for `cancel`."""
         self._advance()
         self._ids += 1
         self._tasks[self._ids] = [max(work_s, 0.0), done]
         self._schedule()
+        return self._ids
+
+    def cancel(self, task: int) -> None:
+        """Drop a task that has not finished (its thread was killed): it stops taking a
+        share of the cores at once, and its callback never runs."""
+        self._advance()
+        if self._tasks.pop(task, None) is not None:
+            self._schedule()
 
 
 URGENT, RETRIED, BACKWARD, FRESH = 0, 1, 2, 3  # worker priorities, most urgent first
@@ -126,6 +135,7 @@ class Worker:
     alive: bool = True
     busy: bool = False
     jobs: list[tuple[int, int, float, Callback]] = field(default_factory=list)
+    running: int | None = None  # the host task of the job being run
     _arrivals: int = 0
 
     def submit(self, work_s: float, done: Callback, priority: int = FRESH) -> None:
@@ -142,15 +152,21 @@ class Worker:
         _, _, work, done = heapq.heappop(self.jobs)
 
         def finished() -> None:
+            self.running = None
             if self.alive:
                 done()
                 self._next()
 
-        self.host.submit(work, finished)
+        self.running = self.host.submit(work, finished)
 
     def stop(self) -> None:
+        """The node is gone: its queue is dropped and its running job stops using the
+        host's cores at once (a SIGKILLed process frees its CPU)."""
         self.alive = False
         self.jobs.clear()
+        if self.running is not None:
+            self.host.cancel(self.running)
+            self.running = None
 
 
 @dataclass(slots=True)
