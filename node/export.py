@@ -122,14 +122,21 @@ def _parser() -> argparse.ArgumentParser:
         " state (replicas step before a majority of them report the new round; default 300)",
     )  # fmt: skip
     live.add_argument(
+        "--unattested", action="store_true",
+        help="where a stage has no attested state yet (no majority of its replicas has"
+        " reported one; waited for up to --attest-wait), take the newest round a replica"
+        " serves, unchecked: any one replica then decides that stage (default: refuse)",
+    )  # fmt: skip
+    live.add_argument(
         "--chunk-elements", type=int, default=CHUNK_ELEMENTS, metavar="N",
         help=f"fp32 elements asked per state chunk (default {CHUNK_ELEMENTS}, 16 MiB)",
     )  # fmt: skip
     live.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--json", type=Path,
-        help="also write a summary here: run id, rounds and sources per stage (checkpoint"
-        " files, or the peer ids of the replicas the live states came from)",
+        help="also write a summary here: run id, rounds, sources and digests per stage"
+        " (checkpoint files, or the peer ids of the replicas the live states came from and"
+        " the attested digests they were checked against)",
     )  # fmt: skip
     return p
 
@@ -146,6 +153,7 @@ def _live_assembled(args: argparse.Namespace) -> Assembled:
         request_timeout_s=args.request_timeout,
         member_wait_s=args.member_wait,
         attest_wait_s=args.attest_wait,
+        unattested=args.unattested,
         chunk_elements=args.chunk_elements,
         progress=not args.no_progress,
     )
@@ -212,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "run_id": got.run_id,
         "rounds": got.rounds,
         "sources": got.sources,
+        "digests": got.digests,
         "n_params": sum(p.numel() for p in got.model.parameters()),
     }
     if args.json is not None:

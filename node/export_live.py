@@ -9,7 +9,8 @@ The exporter is a short-lived member of the run:
    source is a replica serving the stage's attested state (`StatusReply.stages[...]
    .attested`, which a majority of the stage's replicas reported): the exporter downloads
    its theta_g and momentum and checks the digest, asking again while none serves it
-   (`--attest-wait`). A stage with nothing attested takes the newest round, unchecked;
+   (`--attest-wait`). A stage with nothing attested yet is waited for as long, then
+   refused, unless `--unattested` takes the newest round a replica serves, unchecked;
 3. it downloads the stage's flat state chunk by chunk (starting again when the served
    round or copy changes between chunks), leaves the run, and reuses the checkpoint
    path's assembly (node.export_assembly): the flat vector is cut per parameter in
@@ -29,7 +30,6 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import trio
@@ -43,6 +43,7 @@ from node.coordinator_client import (
     CoordinatorUnavailable,
 )
 from node.export_assembly import Assembled, ExportError, assemble
+from node.export_progress import ProgressFn, download_bar
 from node.model import ModelConfig, build_stage, run_model_config
 from node.p2p.host import Libp2pTransport
 from node.p2p.transport import P2PConfig, RequestRefused, TransportError
@@ -79,6 +80,9 @@ class LiveOptions:
     # seconds to wait for a replica that serves the stage's attested state: replicas step
     # before a majority of them report the new round (--attest-wait)
     attest_wait_s: float = 300.0
+    # a stage with no attested state: take the newest round a replica serves, unchecked
+    # (any one replica decides it), instead of refusing (--unattested)
+    unattested: bool = False
     chunk_elements: int = CHUNK_ELEMENTS  # fp32 elements asked per chunk
     progress: bool = True  # show a progress bar on stderr
 
@@ -106,6 +110,7 @@ class StageState:
     round: int
     peer_id: str  # the replica it came from
     flat: torch.Tensor  # fp32, the stage's global state in the outer loop's layout
+    digest: str = ""  # the attested digest it was checked against ("" = unchecked)
 
 
 def stage_layout(config: ModelConfig, stage: int, n_stages: int) -> StageLayout:
@@ -124,10 +129,6 @@ def model_config(run: RunInfo) -> ModelConfig:
 
 
 # --- downloading ----------------------------------------------------------------------------
-
-
-# (stage, elements done, elements in all, round, peer id)
-ProgressFn = Callable[[int, int, int, int, str], None]
 
 
 class _Fetcher:
@@ -440,27 +441,41 @@ async def fetch_attested(
     replicas: Callable[[], Awaitable[list[PeerInfo]]],
 ) -> StageState:
     """The stage's attested state (`attested()`: the coordinator's
-    `StatusReply.stages[stage].attested`), or the newest round served, unchecked, when none
-    is attested. Replicas step before a majority reports the new round (two that stepped
-    apart agree again only at a later group round), so while none serves it, ask again
-    (and for the `replicas()`) every `ATTEST_POLL_S`, for up to `attest_wait_s`."""
+    `StatusReply.stages[stage].attested`), its digest checked. Replicas step before a
+    majority reports the new round (two that stepped apart agree again only at a later
+    group round), and a new stage has nothing attested until its replicas report, so while
+    no replica serves it, ask again (and for the `replicas()`) every `ATTEST_POLL_S`, for up
+    to `attest_wait_s`. With `unattested`, a stage with nothing attested takes the newest
+    round a replica serves, unchecked."""
     give_up = trio.current_time() + fetcher.opts.attest_wait_s
     waited = False
     while True:
         want = await attested()
-        if want is None:
-            log.warning(
-                "export: stage %d has no attested state; taking the newest round a replica"
-                " serves, unchecked", stage,
-            )  # fmt: skip
         try:
-            return await fetcher.download(stage, layout, await replicas(), want)
+            if want is not None:
+                got = await fetcher.download(stage, layout, await replicas(), want)
+                return dataclasses.replace(got, digest=want.digest)
+            if fetcher.opts.unattested:
+                log.warning(
+                    "export: stage %d has no attested state; taking the newest round a"
+                    " replica serves, unchecked (--unattested)", stage,
+                )  # fmt: skip
+                return await fetcher.download(stage, layout, await replicas(), None)
+            raise LiveExportError(
+                f"stage {stage} has no attested state (no majority of its replicas has"
+                " reported the state it holds)"
+            )
         except LiveExportError as exc:
-            if want is None:
+            if want is None and fetcher.opts.unattested:
                 raise
             if trio.current_time() + ATTEST_POLL_S > give_up:
+                hint = (
+                    "; --unattested takes the newest round a replica serves, unchecked"
+                    if want is None
+                    else ""
+                )
                 raise LiveExportError(
-                    f"{exc}; still so after --attest-wait {fetcher.opts.attest_wait_s:g} s"
+                    f"{exc}; still so after --attest-wait {fetcher.opts.attest_wait_s:g} s{hint}"
                 ) from None
             (log.info if waited else log.warning)(
                 "export: stage %d: %s; asking again for up to --attest-wait %g s",
@@ -495,33 +510,10 @@ def assemble_live(
         run_id=run.run_id,
         rounds={s: st.round for s, st in sorted(states.items())},
         sources={s: st.peer_id for s, st in sorted(states.items())},
+        digests={s: st.digest for s, st in sorted(states.items()) if st.digest},
         tokenizer_hash=run.tokenizer_hash,
         tokenizer_json=tokenizer_json,
     )
-
-
-def _rich_progress() -> tuple[Any, ProgressFn]:
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=False,
-    )
-    tasks: dict[int, Any] = {}
-
-    def hook(stage: int, done: int, total: int, round_: int, peer_id: str) -> None:
-        desc = f"stage {stage} round {round_} from ...{peer_id[-8:]}"
-        task = tasks.get(stage)
-        if task is None:
-            task = tasks[stage] = bar.add_task(desc, total=total * 4)
-        bar.update(task, completed=done * 4, total=total * 4, description=desc)  # bytes
-
-    return bar, hook
 
 
 def live_assembled(address: str, opts: LiveOptions) -> Assembled:
@@ -532,7 +524,7 @@ def live_assembled(address: str, opts: LiveOptions) -> Assembled:
     except ValueError as exc:
         raise LiveExportError(f"--coordinator: {exc}") from None
     if opts.progress:
-        bar, hook = _rich_progress()
+        bar, hook = download_bar()
         with bar:
             run, states, tokenizer = trio.run(fetch_live, coordinator, opts, hook)
     else:

@@ -198,6 +198,8 @@ def test_live_export_from_a_swarm(tmp_path: Path) -> None:
         got = json.loads(summary.read_text())
         assert got["run_id"] == "local-swarm"
         assert set(got["rounds"]) == {"0", "1"} and min(got["rounds"].values()) >= 1, got
+        # each stage's state was checked against the digest its lone replica attested
+        assert set(got["digests"]) == {"0", "1"}, got
         peer_ids = {
             str(s): NodeKey((swarm.workdir / f"{n}.key").read_bytes()).peer_id
             for n, s in names.items()
@@ -431,8 +433,62 @@ def test_the_export_waits_while_replicas_are_ahead_of_the_attested_state() -> No
     finally:
         worker.close()
     assert got.round == 6 and torch.equal(got.flat, theta) and len(asked) == 3
+    assert got.digest == new_ref.digest
     assert "attested round 5" in error and "[6]" in error, error
     assert "--attest-wait 3 s" in error and 1.5 <= waited < 6.0, (error, waited)
+
+
+def test_a_stage_with_nothing_attested_is_refused_unless_unattested() -> None:
+    """The coordinator attests nothing for the stage (no majority has reported yet): the
+    export asks again for `attest_wait_s`, then refuses, naming `--unattested`; with
+    `unattested` it takes the newest round served, and marks it unchecked (no digest)."""
+    n = 8
+    worker = TorchWorker()
+    theta, m = torch.arange(n, dtype=torch.float32), torch.full((n,), 0.25)
+    client_key = NodeKey.generate()
+    transports = []
+    for round_ in (3, 4):
+        srv, t = _state_replica(worker, lambda peer: peer == client_key.peer_id)
+        srv.hold(GlobalState(theta_g=theta + round_, momentum=m.clone(), round=round_))
+        transports.append(t)
+    layout = StageLayout(names=["w"], shapes=[torch.Size([n])])
+    asked: list[float] = []
+
+    async def nothing() -> None:
+        asked.append(trio.current_time())
+
+    async def main() -> tuple[str, float, StageState]:
+        async with trio.open_nursery() as nursery:
+            for t in transports:
+                await nursery.start(_run_transport, t)
+            client = Libp2pTransport(client_key, P2PConfig(listen=[]))
+            await nursery.start(_run_transport, client)
+
+            async def replicas() -> list[c.PeerInfo]:
+                return [
+                    c.PeerInfo(peer_id=t.peer_id, stage=1, addrs=t.listen_addrs, device="cpu",
+                               throughput=0.0)
+                    for t in transports
+                ]  # fmt: skip
+
+            opts = LiveOptions(request_timeout_s=5.0, member_wait_s=5.0, attest_wait_s=3.0)
+            fetcher = _Fetcher(client, RUN, opts, lambda *_: None)
+            t0 = trio.current_time()
+            with pytest.raises(LiveExportError) as refused:
+                await fetch_attested(fetcher, 1, layout, nothing, replicas)
+            waited = trio.current_time() - t0
+            fetcher.opts = dataclasses.replace(opts, unattested=True)
+            got = await fetch_attested(fetcher, 1, layout, nothing, replicas)
+            nursery.cancel_scope.cancel()
+        return str(refused.value), waited, got
+
+    try:
+        error, waited, got = trio.run(main)
+    finally:
+        worker.close()
+    assert "stage 1 has no attested state" in error and "--attest-wait 3 s" in error, error
+    assert "--unattested" in error and 1.5 <= waited < 6.0 and len(asked) >= 2, (error, waited)
+    assert got.round == 4 and torch.equal(got.flat, theta + 4) and got.digest == ""
 
 
 async def _run_transport(t: Libp2pTransport, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
