@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2  # seconds between checks for a finished round
 PEEK_S = 1.0  # seconds between looks for a replica forming a group (between rounds)
 FETCH_TRY_S = 5.0  # seconds one fetch of the attested state may take before asking again
+ATTEST_POLL_S = 0.5  # seconds between looks for the stage's attested state (a joiner)
 OnRound = Callable[[GlobalState, RoundFacts], Awaitable[None]]
 Attested = tuple[int, str] | None  # a stage's attested (round, digest)
 
@@ -193,7 +194,10 @@ class OuterRounds:
                     await self.worker.run(self._load, params)
                 log.info("outer: loaded the stage's global state at round %d", got)
                 return True
-            log.warning("outer: no replica answered the state request")
+            log.warning(
+                "outer: no replica served the stage's attested state within %g s",
+                self.link.state_timeout_s,
+            )
         if resume is None:
             log.info("outer: starting the stage's global state from the initial weights")
             await self.worker.run(self.link.set_initial_state, params)
@@ -220,12 +224,26 @@ class OuterRounds:
     async def _fetch(self) -> int | None:
         """Fetch the stage's attested state, asking again with the newest attested state
         every `FETCH_TRY_S` until the state timeout (replicas serve the state they hold,
-        which moves on each round); any valid state while none is attested yet."""
+        which moves on each round). While the stage has nothing attested (its replicas'
+        reports have not reached the coordinator yet, or a restarted coordinator has not
+        heard them again) it waits for an attested state and takes no other: a state that
+        one replica serves unvouched would let that replica hand every joiner a state of
+        its own. None when nothing attested was served by the deadline (the node then
+        starts from its initial weights or checkpoint, and rebases at its first round)."""
         deadline = trio.current_time() + self.link.state_timeout_s
+        waiting = False
         while True:
             left = deadline - trio.current_time()
             want = self._attested_fn()
-            try_s = min(left, FETCH_TRY_S) if want is not None else left
+            if want is None:
+                if left <= ATTEST_POLL_S:
+                    return None
+                if not waiting:
+                    log.info("outer: waiting for the stage's attested state")
+                    waiting = True
+                await trio.sleep(ATTEST_POLL_S)
+                continue
+            try_s = min(left, FETCH_TRY_S)
             got = await self.worker.run(self.link.fetch_state, try_s, want, self._members_fn())
             if got is not None or trio.current_time() + 1.0 >= deadline:
                 return got

@@ -425,3 +425,57 @@ def test_a_first_replica_starts_the_stage_from_its_initial_weights_and_keeps_its
     assert torch.equal(handed, initial)  # the outer process got the weights as built
     assert torch.equal(compute.weights, initial + 0.5)  # the progress stays in the weights
     assert state.round == 0 and state.digest == "d0" and not rounds.loaded_from_replica
+
+
+def test_a_joiner_waits_for_the_attested_state_and_takes_no_unvouched_one(
+    scripted: tuple[OuterLink, socket.socket],
+) -> None:
+    """Other replicas exist but the coordinator attests nothing yet: the joiner asks its
+    outer process for no state until the attested one is known, then fetches only that
+    (round 3). With nothing attested through the state timeout it fetches nothing at all
+    and starts from its initial weights."""
+    link, peer = scripted
+    link.state_timeout_s = 2.0
+    worker = TorchWorker()
+    decoder = FrameDecoder(max_frame=c.MAX_CONTROL_FRAME)
+    peer.settimeout(10.0)
+    known: list[tuple[int, str] | None] = [None]
+    rounds = OuterRounds(
+        worker, Compute(), link, every_steps=1, snapshot=lambda: None,  # type: ignore[arg-type]
+        on_round=None, sole_replica=lambda: False, attested=lambda: known[0],  # type: ignore[arg-type]
+    )  # fmt: skip
+    got: list[object] = []
+
+    def answer() -> None:
+        [cmd] = [c.decode_command(p) for p in decoder.feed(peer.recv(1 << 16))]
+        got.append(cmd)
+        if isinstance(cmd, c.Fetch):
+            peer.sendall(c.encode(c.StateFetched(ok=True, round=3, digest="d3", lineage=chain(3))))
+        else:
+            peer.sendall(c.encode(c.StateSet(round=0, digest="d0", lineage=[(0, "d0")])))
+
+    async def load(attested_after: float | None) -> tuple[GlobalState, float]:
+        async def attest() -> None:
+            if attested_after is not None:
+                await trio.sleep(attested_after)
+                known[0] = (3, "d3")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, answer)
+            nursery.start_soon(attest)
+            t0 = trio.current_time()
+            with trio.fail_after(10.0):
+                state = await rounds.load_state(True, None, keep_progress=False)
+            return state, trio.current_time() - t0
+
+    try:
+        fetched, waited = trio.run(load, 0.8)
+        assert rounds.loaded_from_replica and fetched.round == 3 and waited >= 0.8
+        known[0] = None
+        started, gave_up = trio.run(load, None)
+    finally:
+        worker.close()
+    first, second = got
+    assert isinstance(first, c.Fetch) and first.attested == (3, "d3")  # never an unvouched one
+    assert isinstance(second, c.SetState) and second.round == 0  # nothing fetched at all
+    assert started.round == 0 and not rounds.loaded_from_replica and 1.5 <= gave_up < 4.0
