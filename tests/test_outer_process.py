@@ -466,6 +466,12 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
     workers = {p: TorchWorker() for p in ids}
     views = {p: PeerView(net.transport(p), Router(), stage=0) for p in ids}
 
+    def attested() -> tuple[int, str] | None:
+        """The coordinator's attested state: A's, which B also held (round 0) before its
+        lone rounds, so it vouched for it too."""
+        held = loops[ids[0]].state
+        return None if held is None else (held.round, held.digest)
+
     def loop(p: str) -> OuterLoop:
         b = p == ids[1]  # only B's rounds feed the lease pool
         return OuterLoop(
@@ -475,9 +481,11 @@ def test_a_replica_that_rounded_alone_on_its_own_dht_moves_and_its_ranges_commit
             on_state=on_state_b if b else on_state_a, on_replaced=on_replaced_b if b else None,
             announce_dht=lambda addrs: announced.__setitem__(p, addrs),
             events=EventLog(tmp_path / f"{p}.jsonl"), identity=keys[p].libp2p_private_key(),
+            attested=attested,
         )  # fmt: skip
 
-    loops = {p: loop(p) for p in ids}
+    loops: dict[str, OuterLoop] = {}
+    loops.update((p, loop(p)) for p in ids)
     a, b = (loops[p] for p in ids)
 
     def train_b(windows: int, seed: int) -> None:
