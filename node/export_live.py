@@ -451,23 +451,21 @@ async def fetch_attested(
     waited = False
     while True:
         want = await attested()
+        if want is None and fetcher.opts.unattested:
+            log.warning(
+                "export: stage %d has no attested state; taking the newest round a replica"
+                " serves, unchecked (--unattested)", stage,
+            )  # fmt: skip
+            return await fetcher.download(stage, layout, await replicas(), None)
         try:
-            if want is not None:
-                got = await fetcher.download(stage, layout, await replicas(), want)
-                return dataclasses.replace(got, digest=want.digest)
-            if fetcher.opts.unattested:
-                log.warning(
-                    "export: stage %d has no attested state; taking the newest round a"
-                    " replica serves, unchecked (--unattested)", stage,
-                )  # fmt: skip
-                return await fetcher.download(stage, layout, await replicas(), None)
-            raise LiveExportError(
-                f"stage {stage} has no attested state (no majority of its replicas has"
-                " reported the state it holds)"
-            )
+            if want is None:
+                raise LiveExportError(
+                    f"stage {stage} has no attested state (no majority of its replicas has"
+                    " reported the state it holds)"
+                )
+            got = await fetcher.download(stage, layout, await replicas(), want)
+            return dataclasses.replace(got, digest=want.digest)
         except LiveExportError as exc:
-            if want is None and fetcher.opts.unattested:
-                raise
             if trio.current_time() + ATTEST_POLL_S > give_up:
                 hint = (
                     "; --unattested takes the newest round a replica serves, unchecked"

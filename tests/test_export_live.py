@@ -324,6 +324,23 @@ def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() 
     assert seen[0] == (1, 5) and seen[-1] == (n, 6), seen  # the probe asks one element
 
 
+async def _fetching(
+    nursery: trio.Nursery, transports: list[Libp2pTransport], key: NodeKey, opts: LiveOptions
+) -> tuple[_Fetcher, list[c.PeerInfo]]:
+    """Start the replicas' transports and a client under `key`: the client's fetcher and
+    the replicas as stage 1's membership view lists them."""
+    for t in transports:
+        await nursery.start(_run_transport, t)
+    client = Libp2pTransport(key, P2PConfig(listen=[]))
+    await nursery.start(_run_transport, client)
+    replicas = [
+        c.PeerInfo(peer_id=t.peer_id, stage=1, addrs=t.listen_addrs, device="cpu",
+                   throughput=0.0)
+        for t in transports
+    ]  # fmt: skip
+    return _Fetcher(client, RUN, opts, lambda *_: None), replicas
+
+
 def test_download_takes_the_attested_state_and_refuses_forged_ones() -> None:
     """Four replicas serve over real py-libp2p streams: the honest one the stage's
     attested state (round 5), two forgers round 5 with other weights or other momentum,
@@ -331,7 +348,6 @@ def test_download_takes_the_attested_state_and_refuses_forged_ones() -> None:
     keeps the replica whose state's digest is the attested one."""
     n = 12
     worker = TorchWorker()
-    run = RUN
     theta, m = torch.arange(n, dtype=torch.float32), torch.full((n,), 0.5)
     served = [
         GlobalState(theta_g=theta.clone(), momentum=m.clone(), round=5),
@@ -352,16 +368,7 @@ def test_download_takes_the_attested_state_and_refuses_forged_ones() -> None:
 
     async def main() -> StageState:
         async with trio.open_nursery() as nursery:
-            for t in transports:
-                await nursery.start(_run_transport, t)
-            client = Libp2pTransport(client_key, P2PConfig(listen=[]))
-            await nursery.start(_run_transport, client)
-            replicas = [
-                c.PeerInfo(peer_id=t.peer_id, stage=1, addrs=t.listen_addrs, device="cpu",
-                           throughput=0.0)
-                for t in transports
-            ]  # fmt: skip
-            fetcher = _Fetcher(client, run, opts, lambda *_: None)
+            fetcher, replicas = await _fetching(nursery, transports, client_key, opts)
             got = await fetcher.download(1, layout, replicas, want)
             with pytest.raises(LiveExportError, match="attested round 7"):
                 await fetcher.download(1, layout, replicas, c.StateRef(round=7, digest="ab"))
@@ -405,20 +412,12 @@ def test_the_export_waits_while_replicas_are_ahead_of_the_attested_state() -> No
 
     async def main() -> tuple[StageState, str, float]:
         async with trio.open_nursery() as nursery:
-            for t in transports:
-                await nursery.start(_run_transport, t)
-            client = Libp2pTransport(client_key, P2PConfig(listen=[]))
-            await nursery.start(_run_transport, client)
+            opts = LiveOptions(request_timeout_s=5.0, member_wait_s=5.0, attest_wait_s=30.0)
+            fetcher, listed = await _fetching(nursery, transports, client_key, opts)
 
             async def replicas() -> list[c.PeerInfo]:
-                return [
-                    c.PeerInfo(peer_id=t.peer_id, stage=1, addrs=t.listen_addrs, device="cpu",
-                               throughput=0.0)
-                    for t in transports
-                ]  # fmt: skip
+                return listed
 
-            opts = LiveOptions(request_timeout_s=5.0, member_wait_s=5.0, attest_wait_s=30.0)
-            fetcher = _Fetcher(client, RUN, opts, lambda *_: None)
             got = await fetch_attested(fetcher, 1, layout, attested, replicas)
             fetcher.opts = dataclasses.replace(opts, attest_wait_s=3.0)
             t0 = trio.current_time()
@@ -459,20 +458,12 @@ def test_a_stage_with_nothing_attested_is_refused_unless_unattested() -> None:
 
     async def main() -> tuple[str, float, StageState]:
         async with trio.open_nursery() as nursery:
-            for t in transports:
-                await nursery.start(_run_transport, t)
-            client = Libp2pTransport(client_key, P2PConfig(listen=[]))
-            await nursery.start(_run_transport, client)
+            opts = LiveOptions(request_timeout_s=5.0, member_wait_s=5.0, attest_wait_s=3.0)
+            fetcher, listed = await _fetching(nursery, transports, client_key, opts)
 
             async def replicas() -> list[c.PeerInfo]:
-                return [
-                    c.PeerInfo(peer_id=t.peer_id, stage=1, addrs=t.listen_addrs, device="cpu",
-                               throughput=0.0)
-                    for t in transports
-                ]  # fmt: skip
+                return listed
 
-            opts = LiveOptions(request_timeout_s=5.0, member_wait_s=5.0, attest_wait_s=3.0)
-            fetcher = _Fetcher(client, RUN, opts, lambda *_: None)
             t0 = trio.current_time()
             with pytest.raises(LiveExportError) as refused:
                 await fetch_attested(fetcher, 1, layout, nothing, replicas)
