@@ -222,9 +222,12 @@ class OuterLink:
         momentum: torch.Tensor | None = None,
         round_: int = 0,
         lineage: Sequence[Link] = (),
+        members: Sequence[str] | None = None,
     ) -> None:
         """Make `params` the global state (the first replica of a stage): at round 0 with
-        zero momentum, or at `round_` with the flat `momentum` of a checkpoint."""
+        zero momentum, or at `round_` with the flat `momentum` of a checkpoint. With
+        `members` (peer ids: the stage's as the coordinator lists them) the stage's DHT
+        records of anyone else are refused from now on, as after `fetch_state`."""
         self._require_idle()
         if round_ < 0:
             raise ValueError(f"round_ must be >= 0, got {round_}")
@@ -236,7 +239,12 @@ class OuterLink:
                     f"momentum holds {momentum.numel()} elements, the link {self.numel}"
                 )
             self._m.copy_(momentum.detach().flatten())
-        self._send(SetState(round=round_, momentum=momentum is not None, lineage=list(lineage)))
+        self._send(
+            SetState(
+                round=round_, momentum=momentum is not None, lineage=list(lineage),
+                members=None if members is None else list(members),
+            )
+        )  # fmt: skip
         got = self._expect(StateSet, timeout)
         self.digest, self.lineage = got.digest, got.lineage
         self.round = round_

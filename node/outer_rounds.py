@@ -200,7 +200,9 @@ class OuterRounds:
             )
         if resume is None:
             log.info("outer: starting the stage's global state from the initial weights")
-            await self.worker.run(self.link.set_initial_state, params)
+            await self.worker.run(
+                lambda: self.link.set_initial_state(params, members=self._members_fn())
+            )
             return False
         await self.worker.run(
             lambda: self.link.set_initial_state(
@@ -208,6 +210,7 @@ class OuterRounds:
                 momentum=resume.momentum,
                 round_=resume.round,
                 lineage=resume.lineage,
+                members=self._members_fn(),
             )  # fmt: skip
         )
         if keep_progress:  # the weights stay as they are: progress on top of theta_g

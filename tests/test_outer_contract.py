@@ -78,6 +78,7 @@ COMMANDS: list[c.Command] = [
     c.Begin(tokens=3, members=[]),
     c.Fetch(timeout_s=5.0, members=[KEY.peer_id, "QmOther"]),
     c.Begin(tokens=3, credit=b"\x81\xa1t\xa6credit"),
+    c.SetState(round=2, members=[KEY.peer_id, "QmOther"]),
 ]
 REPLIES: list[c.Reply] = [
     c.Ready(addrs=["/ip4/127.0.0.1/tcp/5/p2p/Qm"], peer_id="QmPeer"),
@@ -197,6 +198,9 @@ def _with(msg: Any, **changes: Any) -> dict[str, Any]:
         (c.Begin, _with(COMMANDS[4], members=None)),
         (c.SetState, _with(COMMANDS[1], round=-1)),
         (c.SetState, _with(COMMANDS[1], momentum=1)),
+        (c.SetState, _with(COMMANDS[1], members=[""])),
+        (c.SetState, _with(COMMANDS[1], members=None)),
+        (c.SetState, _with(COMMANDS[1], members=[KEY.peer_id] * (c.MAX_PEERS + 1))),
         (c.Fetch, _with(COMMANDS[3], timeout_s=0)),
         (c.Fetch, _with(COMMANDS[3], members=[""])),
         (c.Fetch, _with(COMMANDS[3], members=None)),

@@ -251,3 +251,30 @@ def test_a_joiner_told_the_members_takes_no_strangers_state(
     b = start_replica(links, child_env, run, b_key, a.dht_addrs())
     assert b.fetch_state(timeout=15, members=[a_key.peer_id, b_key.peer_id]) == 0
     assert b.digest == a.digest and torch.equal(b.theta_g(), vec(0))
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_a_replica_that_seeds_the_state_is_told_the_members_with_it(
+    links: list[OuterLink], child_env: dict[str, str], listed: bool
+) -> None:
+    """A replica that fetched no state (the first of its stage, or a joiner that found
+    nothing attested) sets its own, and the node passes its view of the stage with it:
+    from then on a stranger's records on the stage's DHT are refused. C, a stranger on
+    A's DHT, looks for a group (its round's matchmaking declaration); A, told the
+    members as it set its state, never sees it. The control, told nothing, does."""
+    run = uuid.uuid4().hex[:8]
+    a_key = NodeKey.generate()
+    a = start_replica(links, child_env, run, a_key)
+    a.set_initial_state([vec(0)], members=[a_key.peer_id] if listed else None)
+    c = start_replica(links, child_env, run, None, a.dht_addrs())
+    c.set_initial_state([vec(5)])
+    c.begin_round([vec(5) + 0.01 * vec(6)], 100)  # declares for CFG.matchmaking_s
+    seen, deadline = 0, time.monotonic() + CFG.matchmaking_s + 2.0
+    while not seen and time.monotonic() < deadline:
+        seen = a.peers_waiting()
+        time.sleep(0.1)
+    try:
+        c.wait_result(60)
+    except Exception as exc:  # the stranger's lone round is its own affair
+        print(f"C's round: {exc!r}")
+    assert seen == (0 if listed else 1)

@@ -433,7 +433,8 @@ def test_a_joiner_waits_for_the_attested_state_and_takes_no_unvouched_one(
     """Other replicas exist but the coordinator attests nothing yet: the joiner asks its
     outer process for no state until the attested one is known, then fetches only that
     (round 3). With nothing attested through the state timeout it fetches nothing at all
-    and starts from its initial weights."""
+    and starts from its initial weights. Both times the outer process is told the
+    stage's members."""
     link, peer = scripted
     link.state_timeout_s = 2.0
     worker = TorchWorker()
@@ -443,6 +444,7 @@ def test_a_joiner_waits_for_the_attested_state_and_takes_no_unvouched_one(
     rounds = OuterRounds(
         worker, Compute(), link, every_steps=1, snapshot=lambda: None,  # type: ignore[arg-type]
         on_round=None, sole_replica=lambda: False, attested=lambda: known[0],  # type: ignore[arg-type]
+        members=lambda: ["QmA", "QmB"],
     )  # fmt: skip
     got: list[object] = []
 
@@ -478,4 +480,6 @@ def test_a_joiner_waits_for_the_attested_state_and_takes_no_unvouched_one(
     first, second = got
     assert isinstance(first, c.Fetch) and first.attested == (3, "d3")  # never an unvouched one
     assert isinstance(second, c.SetState) and second.round == 0  # nothing fetched at all
+    # either way the outer process learns the stage's members with the state it starts from
+    assert first.members == second.members == ["QmA", "QmB"]
     assert started.round == 0 and not rounds.loaded_from_replica and 1.5 <= gave_up < 4.0

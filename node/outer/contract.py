@@ -154,20 +154,27 @@ class SetState:
     momentum: bool = False  # whether the momentum buffer holds m
     # the chain the state descends from (a checkpoint's), without the state itself
     lineage: list[Link] = dataclasses.field(default_factory=list)
+    # the peer ids the coordinator lists on this stage (as `Fetch.members`): a replica
+    # that seeds the state, or fetched none, believes only their DHT records from now on
+    members: list[str] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "op": self.OP, "round": self.round, "momentum": self.momentum,
             "lineage": to_plain(self.lineage),
         }  # fmt: skip
+        if self.members is not None:
+            out["members"] = list(self.members)
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj)
+        d = fields_of(cls, obj, optional=("members",))
         return cls(
             round=int_of(d, "round", cls, lo=0, hi=MAX_COUNT),
             momentum=bool_of(d, "momentum"),
             lineage=lineage_of(d, cls),
+            members=strs_of(d, "members", cls) if "members" in d else None,
         )
 
 

@@ -23,8 +23,8 @@ stage's replicas check membership when they read them. Admitted: the members the
 coordinator listed to the replica (`admit`), each for `GRACE_S` after it was last
 listed, longer than any record it stored while listed can live, so a departed member's
 records expire before it stops being believed. Until the first list arrives (it comes
-with the outer process's first state fetch, and with every round) every correctly signed
-record is taken.
+with the state the outer process starts from, fetched or set, and with every round)
+every correctly signed record is taken.
 """
 
 from __future__ import annotations

@@ -240,6 +240,8 @@ class OuterProcess:
 
     def handle(self, cmd: Command) -> Reply:
         """One command after `Init`, and its reply."""
+        if isinstance(cmd, (SetState, Fetch)) and cmd.members is not None:  # None: as before
+            self.admit(cmd.members)
         if isinstance(cmd, SetState):  # round 0, or a checkpoint's round and momentum
             state = OuterState.fresh(self.snap)
             state.round = cmd.round
@@ -248,8 +250,6 @@ class OuterProcess:
             self.adopt(state, cmd.lineage)
             return StateSet(round=state.round, digest=self.digest, lineage=list(self.lineage))
         if isinstance(cmd, Fetch):
-            if cmd.members is not None:
-                self.admit(cmd.members)
             ok = self.holds(cmd.attested) or self.download(
                 cmd.timeout_s, min_round=-1, want=cmd.attested
             )
