@@ -11,6 +11,12 @@ others a state of their own by claiming a higher round. A lone replica attests i
 state. Soft state, like heartbeats: a restarted coordinator rebuilds it from the next
 reports.
 
+The attested state of each round found so far is kept (the newest `CANON_ROUNDS`):
+`contradicts` names it for a commit that says its range rode in another state of that
+round, one no majority held, which the coordinator refuses (the range goes back to be
+trained on the stage's lineage). A commit of a round never found attested is taken as
+before; the audit checks it against an export's lineage.
+
 Cost: a report updates per-stage counts of how many replicas hold each state (O(HISTORY));
 the attested state is recounted at most once per change of the stage, over its distinct
 states and its replicas (to drop those no longer live), not over every report.
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HISTORY = 8  # distinct states kept per replica (newest last)
+CANON_ROUNDS = 4096  # attested (round, digest) kept per stage for the commit check (rounds)
 
 State = tuple[int, str]  # (outer round, digest)
 
@@ -33,6 +40,7 @@ class _Stage:
     held: dict[str, deque[State]] = field(default_factory=dict)  # replica -> its states
     counts: Counter[State] = field(default_factory=Counter)  # state -> replicas holding it
     attested: State | None = None
+    canon: dict[int, str] = field(default_factory=dict)  # round -> its attested digest
     dirty: bool = False
 
 
@@ -46,6 +54,7 @@ class Attestations:
         self._stages: dict[int, _Stage] = {}
         self._stage_of: dict[str, int] = {}
         self.disagreeing = 0  # reports of an attested round with another digest
+        self.contradicted = 0  # commits found riding in another state of an attested round
 
     def report(self, peer_id: str, stage: int, state: State) -> None:
         """`peer_id`, a replica of `stage`, holds `state` now."""
@@ -92,7 +101,22 @@ class Attestations:
             found = newest_majority(st.counts, len(st.held))
             if found is not None:
                 st.attested = found
+                st.canon.pop(found[0], None)  # re-inserted as the newest
+                st.canon[found[0]] = found[1]
+                if len(st.canon) > CANON_ROUNDS:
+                    del st.canon[next(iter(st.canon))]
         return st.attested
+
+    def contradicts(self, stage: int, state: State, live: Container[str]) -> str | None:
+        """The digest attested for `state`'s round when it is another one than `state`'s
+        (a commit that names `state` rode in no canonical state; counted), else None."""
+        self.attested(stage, live)
+        st = self._stages.get(stage)
+        found = st.canon.get(state[0]) if st is not None else None
+        if found is None or found == state[1]:
+            return None
+        self.contradicted += 1
+        return found
 
 
 def _drop(counts: Counter[State], state: State) -> None:

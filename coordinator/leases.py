@@ -37,7 +37,7 @@ import collections
 import dataclasses
 import random
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 from coordinator.journal import AuditEvent, Journal
 
@@ -283,6 +283,20 @@ class LeaseBook:
         if end < lease.limit:
             return lease, False
         return lease, self._finish(lease, shard, now)
+
+    def refuse_commit(
+        self, holder: str, lease_id: int, epoch: int, start: int, end: int, now: float, why: str
+    ) -> NoReturn:
+        """Refuse a commit of the holder's own lease whose range rode in no canonical state
+        of its stage (`coordinator.attest`): the lease ends, released at its committed
+        offset, so the range goes back to the queue to be trained on the stage's lineage,
+        and the call is refused as fenced, on the record. The fence names no lineage: the
+        range's training reached no state the stage holds, so it is not trained twice."""
+        lease = self._owned(holder, lease_id, epoch, now, start, end, allow_complete=True)
+        if lease.state == ACTIVE:
+            self._end(lease, RELEASED, now)
+        self._fence(holder, lease_id, epoch, now, start, end, why)
+        raise AssertionError("unreachable")
 
     def complete(self, holder: str, lease_id: int, epoch: int, now: float) -> tuple[Lease, bool]:
         lease = self._owned(holder, lease_id, epoch, now, 0, 0, allow_complete=True)

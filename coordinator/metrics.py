@@ -138,6 +138,11 @@ class CoordinatorMetrics:
             "State reports of an attested round with another digest, since start",
             registry=r,
         )
+        self.contradicted_commits = Gauge(
+            "agora_coordinator_commits_off_attested",
+            "Commits refused for riding in another state of an attested round, since start",
+            registry=r,
+        )
         self.group_commits = Counter(
             "agora_coordinator_group_commits_total", "SQLite write transactions", registry=r
         )

@@ -1,5 +1,6 @@
-"""Who may stay in the run: the admin calls (drain, ban, pause) and the verdicts on
-replicas that their stage keeps accusing (`coordinator.accuse`), mixed into
+"""Who may stay in the run: the admin calls (drain, ban, pause), the verdicts on
+replicas that their stage keeps accusing (`coordinator.accuse`), and the refusal of
+commits that rode in no attested state (`coordinator.attest`), mixed into
 `coordinator.service.Service`. A ban, by an admin or by a stage's accusations, releases
 the peer's leases (their ranges go back to the pool), takes it out of the view for good
 (`BANNED`, journaled) and forgets its reported states.
@@ -78,6 +79,23 @@ class Moderation:
                 self.metrics.accusations.labels("banned").inc()
 
     # -- admin calls --------------------------------------------------------------------
+
+    def check_commit_state(self, peer: Peer, req: c.LeaseCommit, now: float) -> None:
+        """Refuse a commit that names another state of a round its stage attested: the
+        range rode in a state no majority of the replicas held (a replica off the
+        stage's lineage, or lying about it). The lease ends and its range goes back to
+        the queue (`LeaseBook.refuse_commit`), to be trained on the stage's lineage."""
+        if req.round is None or req.round < 0:
+            return
+        live = LiveOn(self.membership.live, peer.stage)
+        canon = self.attest.contradicts(peer.stage, (req.round, req.digest), live)
+        if canon is None:
+            return
+        why = f"round {req.round} of stage {peer.stage} is {canon}, no majority held {req.digest}"
+        log.warning("refused a commit of %s: %s", peer.peer_id[:16], why)
+        self.book.refuse_commit(
+            peer.peer_id, req.lease_id, req.epoch, req.start, req.end, now, why
+        )  # fmt: skip
 
     def _drain(self, req: c.AdminDrain, now: float) -> Message:
         peer = self.membership.live.get(req.peer_id)

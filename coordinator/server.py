@@ -339,6 +339,7 @@ class CoordinatorServer:
             attested = svc.attested(s)
             m.attested_round.labels(str(s)).set(attested.round if attested else -1)
         m.disagreeing_states.set(svc.attest.disagreeing)
+        m.contradicted_commits.set(svc.attest.contradicted)
         if svc.witness is not None:
             m.witnessed.set(svc.witness.tokens_total)
         for state, n in svc.book.counts().items():

@@ -467,11 +467,9 @@ class Service(Moderation):
         before = self.book.data_epoch
         lease = self.book.leases.get(req.lease_id)
         offset = lease.committed if lease is not None else None
-        lineage = (
-            -1 if req.stage is None else req.stage,
-            -1 if req.round is None else req.round,
-            req.digest,
-        )
+        self.check_commit_state(peer, req, now)
+        stage, rnd = (-1 if x is None else x for x in (req.stage, req.round))
+        lineage = (stage, rnd, req.digest)
         lease, done = self.book.commit(
             peer.peer_id, req.lease_id, req.epoch, req.start, req.end, now, lineage
         )

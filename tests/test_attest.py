@@ -5,6 +5,7 @@ attested state, and a member that leaves no longer counts."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from pathlib import Path
@@ -80,6 +81,20 @@ def test_a_replica_holds_its_last_distinct_states_and_counts_once() -> None:
     assert att.attested(0, ALL) == (1, "11")  # the last attested state stays
     att.report("b", 0, (3, "33"))
     assert att.attested(0, ALL) == (3, "33")  # a held it, b holds it
+
+
+def test_a_commit_naming_another_state_of_an_attested_round_is_found_out() -> None:
+    att = Attestations()
+    for p, state in (("a", (4, "44")), ("b", (4, "44")), ("c", (4, "4f"))):
+        att.report(p, 0, state)
+    assert att.contradicts(0, (4, "4f"), ALL) == "44"  # a minority's state of round 4
+    assert att.contradicts(0, (4, "44"), ALL) is None
+    assert att.contradicts(0, (5, "55"), ALL) is None  # a round never attested: taken
+    assert att.contradicts(1, (4, "4f"), ALL) is None  # another stage
+    for p in "ab":  # the majority steps on: round 4's attested digest is kept
+        att.report(p, 0, (5, "55"))
+    assert att.attested(0, ALL) == (5, "55")
+    assert att.contradicts(0, (4, "4f"), ALL) == "44" and att.contradicted == 2
 
 
 def test_replicas_that_left_or_moved_no_longer_count() -> None:
@@ -163,3 +178,43 @@ def test_heartbeats_report_states_and_replies_name_the_attested_one(tmp_path: Pa
     for key in honest:
         assert isinstance(call(svc, key, c.LeaveRequest()), c.OkReply)
     assert beat(svc, rogue, (2**62, "ffff")).attested == c.StateRef(round=2**62, digest="ffff")
+
+
+def test_a_commit_that_rode_in_no_attested_state_is_refused_and_its_range_requeued(
+    tmp_path: Path,
+) -> None:
+    """Two of stage 0's three replicas hold round 3 as "abc0"; the third says its range
+    rode in round 3 as "ffff". Its commit is refused as fenced, its lease ends at the
+    committed offset and the range goes to the next replica that asks. A commit that
+    names the attested state, or a round not attested, is taken."""
+    svc = service(tmp_path)
+    keys = [NodeKey.generate() for _ in range(3)]
+    for key in keys:
+        joined = call(svc, key, c.JoinRequest(stage=0))
+        assert isinstance(joined, c.JoinReply) and joined.stage == 0, joined
+    honest, rogue = keys[:2], keys[2]
+    for key in honest:
+        beat(svc, key, (3, "abc0"))
+    beat(svc, rogue, (3, "ffff"))
+
+    def lease(key: NodeKey) -> c.LeaseInfo:
+        got = call(svc, key, c.LeaseAcquire(max_tokens=64))
+        assert isinstance(got, c.LeaseGrant) and got.lease is not None, got
+        return got.lease
+
+    def commit(key: NodeKey, x: c.LeaseInfo, n: int, rnd: int, digest: str) -> object:
+        return call(svc, key, c.LeaseCommit(
+            lease_id=x.lease_id, epoch=x.epoch, start=x.committed, end=x.committed + n,
+            stage=0, round=rnd, digest=digest,
+        ))  # fmt: skip
+
+    mine = lease(rogue)
+    assert isinstance(commit(rogue, mine, 8, 7, "7777"), c.LeaseReply)  # round 7: not attested
+    mine = dataclasses.replace(mine, committed=mine.committed + 8)
+    refused = commit(rogue, mine, 8, 3, "ffff")
+    assert isinstance(refused, c.ErrorReply) and refused.code == "fenced", refused
+    assert "abc0" in refused.detail and svc.attest.contradicted == 1
+    again = lease(honest[0])  # the range is back in the queue, from the committed offset
+    assert (again.shard_id, again.committed) == (mine.shard_id, mine.committed)
+    assert isinstance(commit(honest[0], again, 8, 3, "abc0"), c.LeaseReply)
+    assert isinstance(commit(rogue, mine, 8, 3, "abc0"), c.ErrorReply)  # its lease is gone

@@ -18,7 +18,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from coordinator.audit import replay
 from coordinator.journal import Journal
-from coordinator.leases import ACTIVE, DONE, LEASED, LeaseBook, LeaseError, Shard, restore_book
+from coordinator.leases import (
+    ACTIVE,
+    DONE,
+    LEASED,
+    RELEASED,
+    LeaseBook,
+    LeaseError,
+    Shard,
+    restore_book,
+)
+from coordinator.reconcile import check_leases
 from coordinator.store import read_audit, read_shard_sizes
 
 TTL = 10.0
@@ -104,6 +114,34 @@ def test_expired_lease_is_fenced_and_requeued_with_higher_epoch() -> None:
         book.commit("a", a.lease_id, a.epoch, 3, 5, TTL + 2)
     assert err.value.code == "fenced" and "fenced" in err.value.detail
     assert any(e.kind == "fence" for e in book.journal.audit)
+
+
+def test_a_commit_off_the_attested_lineage_ends_the_lease_and_requeues_its_range() -> None:
+    """A commit the coordinator refuses for the state it rode in (`refuse_commit`): the
+    call is fenced, on the record, the lease is released at its committed offset, and
+    the next grant of the shard starts there; the lease's life still adds up."""
+    book = _book([10])
+    a, _ = book.acquire("a", 0.0)
+    assert a is not None
+    book.commit("a", a.lease_id, a.epoch, 0, 3, 1.0)
+    with pytest.raises(LeaseError) as err:
+        book.refuse_commit("a", a.lease_id, a.epoch, 3, 6, 2.0, "round 4 is 44")
+    assert err.value.code == "fenced" and err.value.recorded and "round 4 is 44" in err.value.detail
+    assert a.state == RELEASED and a.committed == 3
+    b, _ = book.acquire("b", 3.0)
+    assert b is not None and b.shard_id == a.shard_id and b.committed == 3 and b.epoch > a.epoch
+    with pytest.raises(LeaseError):  # the old holder's next call on it is fenced too
+        book.commit("a", a.lease_id, a.epoch, 3, 6, 4.0)
+    book.commit("b", b.lease_id, b.epoch, 3, 10, 5.0)
+    events = book.journal.audit
+    assert [e.kind for e in events if e.lease_id == a.lease_id] == [
+        "grant", "commit", "release", "fence"
+    ]  # fmt: skip
+    assert check_leases(events, set()) == []
+    assert all(r.clean for r in replay(events, {0: 10}))
+    with pytest.raises(LeaseError) as err:
+        book.refuse_commit("a", 99, 0, 0, 1, 6.0, "no such lease")
+    assert err.value.code == "not_found"
 
 
 def test_a_freed_range_is_counted_until_granted_and_freed_only_asks_take_just_those() -> None:
@@ -247,6 +285,27 @@ class LeaseMachine(RuleBasedStateMachine):
         self._durable(self.book.commit, holder, lease.lease_id, lease.epoch, start, end, self.now)
         after = self.book.shards[lease.shard_id].committed
         assert after >= before or self.book.data_epoch == epoch + 1  # only a rollover resets
+
+    @rule(
+        impostor=st.sampled_from((None, *holders)), pick=st.integers(0, 50), size=st.integers(1, 30)
+    )
+    def commit_off_lineage(self, impostor: str | None, pick: int, size: int) -> None:
+        """A commit refused for the state it rode in: its holder's lease ends at its
+        committed offset; an impostor's call ends nothing. The lease log adds up."""
+        leases = list(self.book.leases.values())
+        if not leases:
+            return
+        lease = leases[pick % len(leases)]
+        holder, was = impostor or lease.holder, (lease.state, lease.committed)
+        self._durable(
+            self.book.refuse_commit, holder, lease.lease_id, lease.epoch, lease.committed,
+            lease.committed + size, self.now, "off the attested lineage",
+        )  # fmt: skip
+        if holder != lease.holder or was[0] != ACTIVE:
+            assert (lease.state, lease.committed) == was
+        else:
+            assert lease.state == RELEASED and lease.committed == was[1]
+        assert check_leases(read_audit(self.db), set(self.book.active)) == []
 
     @rule(holder=st.sampled_from(holders), pick=st.integers(0, 50))
     def release(self, holder: str, pick: int) -> None:
