@@ -78,8 +78,6 @@ class Moderation:
                               f"{accuser.stage}: {', '.join(p[-8:] for p in by)}")  # fmt: skip
                 self.metrics.accusations.labels("banned").inc()
 
-    # -- admin calls --------------------------------------------------------------------
-
     def check_commit_state(self, peer: Peer, req: c.LeaseCommit, now: float) -> None:
         """Refuse a commit that names another state of a round its stage attested: the
         range rode in a state no majority of the replicas held (a replica off the
@@ -96,6 +94,8 @@ class Moderation:
         self.book.refuse_commit(
             peer.peer_id, req.lease_id, req.epoch, req.start, req.end, now, why
         )  # fmt: skip
+
+    # -- admin calls --------------------------------------------------------------------
 
     def _drain(self, req: c.AdminDrain, now: float) -> Message:
         peer = self.membership.live.get(req.peer_id)
