@@ -158,12 +158,18 @@ def beat(svc: Service, key: NodeKey, state: tuple[int, str] | None) -> c.Heartbe
     return reply
 
 
+def joined(svc: Service, n: int, stage: int) -> list[NodeKey]:
+    """Keys of `n` new members of `stage`."""
+    keys = [NodeKey.generate() for _ in range(n)]
+    for key in keys:
+        reply = call(svc, key, c.JoinRequest(stage=stage))
+        assert isinstance(reply, c.JoinReply) and reply.stage == stage, reply
+    return keys
+
+
 def test_heartbeats_report_states_and_replies_name_the_attested_one(tmp_path: Path) -> None:
     svc = service(tmp_path)
-    keys = [NodeKey.generate() for _ in range(3)]
-    for key in keys:
-        joined = call(svc, key, c.JoinRequest(stage=1))
-        assert isinstance(joined, c.JoinReply) and joined.stage == 1, joined
+    keys = joined(svc, 3, stage=1)
     honest, rogue = keys[:2], keys[2]
     assert beat(svc, honest[0], None).attested is None
     got = beat(svc, honest[0], (3, "abc0"))
@@ -188,10 +194,7 @@ def test_a_commit_that_rode_in_no_attested_state_is_refused_and_its_range_requeu
     committed offset and the range goes to the next replica that asks. A commit that
     names the attested state, or a round not attested, is taken."""
     svc = service(tmp_path)
-    keys = [NodeKey.generate() for _ in range(3)]
-    for key in keys:
-        joined = call(svc, key, c.JoinRequest(stage=0))
-        assert isinstance(joined, c.JoinReply) and joined.stage == 0, joined
+    keys = joined(svc, 3, stage=0)
     honest, rogue = keys[:2], keys[2]
     for key in honest:
         beat(svc, key, (3, "abc0"))

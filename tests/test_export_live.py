@@ -268,7 +268,6 @@ def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() 
     changes mid-download, and waits out a `not_member` refusal until it is admitted."""
     n = 18
     worker = TorchWorker()
-    run = RUN
     client_key = NodeKey.generate()
     admitted: set[str] = set()
     servers, transports = [], []
@@ -292,19 +291,11 @@ def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() 
         async with trio.open_nursery() as nursery:
             for srv, link in servers:
                 srv.hold(GlobalState(theta_g=link.values.clone(), momentum=None, round=link.round))
-            for t in transports:
-                await nursery.start(_run_transport, t)
-            client = Libp2pTransport(client_key, P2PConfig(listen=[]))
-            await nursery.start(_run_transport, client)
-            replicas = [
-                c.PeerInfo(peer_id=t.peer_id, stage=1, addrs=t.listen_addrs, device="cpu",
-                           throughput=0.0)
-                for t in transports
-            ] + [
+            fetcher, replicas = await _fetching(nursery, transports, client_key, opts, progress)
+            replicas.append(
                 c.PeerInfo(peer_id=dead, stage=1, addrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{dead}"],
                            device="cpu", throughput=0.0)
-            ]  # fmt: skip
-            fetcher = _Fetcher(client, run, opts, progress)
+            )  # fmt: skip
 
             async def admit_later() -> None:
                 await trio.sleep(1.5)  # the nodes' next membership refresh
@@ -325,10 +316,14 @@ def test_download_picks_the_newest_round_tolerates_dead_replicas_and_restarts() 
 
 
 async def _fetching(
-    nursery: trio.Nursery, transports: list[Libp2pTransport], key: NodeKey, opts: LiveOptions
+    nursery: trio.Nursery,
+    transports: list[Libp2pTransport],
+    key: NodeKey,
+    opts: LiveOptions,
+    progress: Any = lambda *_: None,
 ) -> tuple[_Fetcher, list[c.PeerInfo]]:
-    """Start the replicas' transports and a client under `key`: the client's fetcher and
-    the replicas as stage 1's membership view lists them."""
+    """Start the replicas' transports and a client under `key`: the client's fetcher
+    (reporting to `progress`) and the replicas as stage 1's membership view lists them."""
     for t in transports:
         await nursery.start(_run_transport, t)
     client = Libp2pTransport(key, P2PConfig(listen=[]))
@@ -338,7 +333,7 @@ async def _fetching(
                    throughput=0.0)
         for t in transports
     ]  # fmt: skip
-    return _Fetcher(client, RUN, opts, lambda *_: None), replicas
+    return _Fetcher(client, RUN, opts, progress), replicas
 
 
 def test_download_takes_the_attested_state_and_refuses_forged_ones() -> None:
