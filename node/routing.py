@@ -91,14 +91,14 @@ class Router:
         Optimistic: a peer never measured is as fast as the fastest measured one *now*,
         so it is tried (and measured) instead of starving behind fast, measured peers."""
         st = self._stats(peer)
-        best = self._fastest()
+        return self._aged(st, self._fastest(), now)
+
+    def _aged(self, st: PeerStats, best: float, now: float) -> float:
+        """`st`'s estimate given the fastest one, `best` (`seconds_per_item`)."""
         if st.measured_at is None:
             return best
         age = max(0.0, now - st.measured_at)
         return best + (st.seconds_per_item - best) * math.pow(0.5, age / self.stale_half_life_s)
-
-    def expected_finish(self, peer: str, now: float) -> float:
-        return (self._stats(peer).in_flight + 1) * self.seconds_per_item(peer, now)
 
     def is_down(self, peer: str) -> bool:
         st = self.peers.get(peer)
@@ -122,9 +122,13 @@ class Router:
             return None
         if len(live) > 1 and self.rng.random() < self.explore:
             return self.rng.choice(live)
+        best = self._fastest()  # once a choice: the simulator asks it of hundreds of peers
+        rand, jitter, peers = self.rng.random, self.jitter, self.peers
         return min(
             live,
-            key=lambda p: self.expected_finish(p, now) * (1 + self.jitter * self.rng.random()),
+            key=lambda p: (
+                (peers[p].in_flight + 1) * self._aged(peers[p], best, now) * (1 + jitter * rand())
+            ),
         )
 
     def started(self, peer: str) -> None:
