@@ -125,6 +125,11 @@ def _parser() -> argparse.ArgumentParser:
         f" {_node_default('lease_pool')})",
     )  # fmt: skip
     p.add_argument(
+        "--route-affinity", type=float, default=None,
+        help="the nodes' route_affinity: keep each replica's micro-batches on its paired"
+        f" next-stage replica (default: the node's, {_node_default('route_affinity')})",
+    )  # fmt: skip
+    p.add_argument(
         "--grant-tokens", type=int, default=None,
         help="the largest range the coordinator grants (tokens; default: the coordinator's)",
     )  # fmt: skip
@@ -334,6 +339,7 @@ def main(argv: list[str]) -> int:
         "in_flight": args.in_flight or _node_default("in_flight"),
         "matchmaking_s": args.matchmaking_s or _node_default("outer_matchmaking_s"),
         "lease_pool": args.lease_pool or _node_default("lease_pool"),
+        "route_affinity": args.route_affinity or _node_default("route_affinity"),
         "grant_tokens": args.grant_tokens,  # None: the coordinator's default
         "central_batch_tokens": central_tokens,
         "central_token_match": "committed",
@@ -414,9 +420,13 @@ def _table(out: dict[str, Any]) -> None:
     def f(v: Any, fmt: str = "{:.4f}") -> str:
         return "-" if v is None else fmt.format(v)
 
+    shapes = sorted(
+        {f"{r['stages']} stages x {r['replicas']} replicas" for row in out["runs"]
+         for key in RUN_KINDS if (r := row.get(key)) is not None}
+    )  # fmt: skip
     print(
         f"\nconvergence ({out['preset']}, {out['dataset_name']}, {out['tokens_target']:,} tokens,"
-        f" {out['stages']} stages x {out['replicas']} replicas, {out['codec']}, outer"
+        f" {' and '.join(shapes) or 'central only'}, {out['codec']}, outer"
         f" {out['outer_compression']} every {out['outer_every_steps']} steps,"
         f" seeds {out['seeds']})"
     )

@@ -93,6 +93,7 @@ def node_settings(args: argparse.Namespace, inner_tokens: int) -> dict[str, Any]
         "outer_momentum": args.outer_momentum,
         "outer_robust": None if args.outer_robust is None else args.outer_robust == "on",
         "lease_pool": args.lease_pool,
+        "route_affinity": args.route_affinity,
     }
 
 

@@ -56,6 +56,11 @@ class NodeConfig:
     # leases stage 0 trains at once, their windows mixed into micro-batches (count); 16
     # measured 0.06-0.15 nats of held-out loss below 8 (docs/outer-loop.md, "Data order")
     lease_pool: int = 16
+    # route to the next-stage replica paired with this one (the same rank among its
+    # stage's replicas) while its expected finish is at most this many times the best
+    # one's, so that each pipeline of replicas trains as one model between outer rounds;
+    # 0 = the fastest replica for every micro-batch (ratio)
+    route_affinity: float = 0.0
     # draw a micro-batch's windows at random from the open leases (else in lease order)
     shuffle_windows: bool = True
     inner_batch_tokens: int = 4096  # tokens per inner optimizer step (per replica)
@@ -135,6 +140,10 @@ class NodeConfig:
             raise ValueError(
                 f"activation_cache ({self.activation_cache}) must hold at least in_flight"
                 f" ({self.in_flight}) micro-batches"
+            )
+        if self.route_affinity != 0 and not 1 <= self.route_affinity <= 1e6:
+            raise ValueError(
+                f"route_affinity must be 0 (off) or a ratio >= 1, got {self.route_affinity}"
             )
         if self.outer_every_steps < 0:
             raise ValueError(f"outer_every_steps must be >= 0, got {self.outer_every_steps}")

@@ -142,6 +142,18 @@ class PeerView:
         the only peers its outer loop forms groups with."""
         return sorted({p.peer_id for p in self._on_stage(self.stage)} | {self.me})
 
+    def partners(self) -> list[str]:
+        """The next-stage replicas paired with this node, by rank (peer id order) in the
+        two stages: with n replicas here and m there, the one at rank i here is paired
+        with those at ranks j = i (mod n) when m >= n, so every next-stage replica has a
+        partner, else with the one at rank i mod m. Empty on the last stage."""
+        nxt = sorted(self.next_stage_peers())
+        mine = self.stage_members()
+        i = mine.index(self.me)
+        if len(nxt) >= len(mine):
+            return nxt[i :: len(mine)]
+        return [nxt[i % len(nxt)]] if nxt else []
+
     def other_replicas_have_dht(self) -> bool:
         """Another replica of this stage announces a DHT (so state can be fetched)."""
         return any(p.dht_addrs for p in self._on_stage(self.stage) if p.peer_id != self.me)

@@ -150,10 +150,11 @@ class PipelineHop:
         the tried ones again (their bans still apply)."""
         candidates = self.peers.next_stage_peers()
         now = trio.current_time()
-        peer = self.router.choose(candidates, now, exclude=tried)
+        prefer = self.peers.partners() if self.router.affinity > 0 else ()
+        peer = self.router.choose(candidates, now, exclude=tried, prefer=prefer)
         if peer is None and tried:
             tried.clear()
-            peer = self.router.choose(candidates, now)
+            peer = self.router.choose(candidates, now, prefer=prefer)
         if peer is not None:
             tried.add(peer)
         return peer

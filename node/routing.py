@@ -36,6 +36,13 @@ its stage's micro-batches from its first outer round on, and its partner rounded
 reply is measured again within a few dozen micro-batches, and one that is really slow
 costs at most that share of the traffic.
 
+With `affinity` (the node's `route_affinity`; off by default) a sender names a
+preferred set of candidates, its paired replicas of the next stage
+(`PeerView.partners`), and the router takes the soonest usable one while its expected
+finish is within `affinity` times the best candidate's: each pipeline of paired
+replicas then trains as one model between outer rounds, and a dead, banned or far
+slower partner still loses the micro-batch to the others. docs/outer-loop.md has what it measured.
+
 A peer never measured is as fast as the fastest measured one at each choice, not at the
 moment it was first seen: two replicas seen before either answered were both fixed at
 the prior, and once one was measured the other lost every choice, for good, whenever
@@ -46,7 +53,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 MIN_SECONDS = 1e-6  # floor of a per-item measurement, so that ratios stay finite (s)
@@ -71,6 +78,9 @@ class Router:
     ban_base_s: float = 2.0  # first ban length (s)
     ban_max_s: float = 60.0  # longest ban (s)
     stale_half_life_s: float = 10.0  # seconds for an unmeasured estimate to halve its excess
+    # a preferred candidate (`choose(prefer=...)`) is taken while its expected finish is
+    # at most this many times the best candidate's; 0 = no preference (ratio)
+    affinity: float = 0.0
     rng: random.Random = field(default_factory=random.Random)
     peers: dict[str, PeerStats] = field(default_factory=dict)
 
@@ -114,15 +124,29 @@ class Router:
         return [p for p in pool if p not in exclude and self._stats(p).banned_until <= now]
 
     def choose(
-        self, candidates: list[str], now: float, exclude: frozenset[str] | set[str] = frozenset()
+        self,
+        candidates: list[str],
+        now: float,
+        exclude: frozenset[str] | set[str] = frozenset(),
+        prefer: Collection[str] = (),
     ) -> str | None:
-        """The usable candidate with the lowest jittered expected finish time, or None."""
+        """The usable candidate with the lowest jittered expected finish time, or None;
+        the soonest of the usable ones in `prefer` while that is within `affinity` times
+        the best one's finish."""
         live = self.usable(candidates, now, exclude)
         if not live:
             return None
+        best = self._fastest()  # once a choice: the simulator asks it of hundreds of peers
+        if self.affinity > 0 and prefer:
+            finish = {p: (self.peers[p].in_flight + 1) * self._aged(self.peers[p], best, now)
+                      for p in live}  # fmt: skip
+            paired = [p for p in live if p in prefer]
+            if paired:
+                soonest = min(paired, key=finish.__getitem__)
+                if finish[soonest] <= self.affinity * min(finish.values()):
+                    return soonest
         if len(live) > 1 and self.rng.random() < self.explore:
             return self.rng.choice(live)
-        best = self._fastest()  # once a choice: the simulator asks it of hundreds of peers
         rand, jitter, peers = self.rng.random, self.jitter, self.peers
         return min(
             live,

@@ -78,7 +78,7 @@ class Node:
         self.pool = LeasePool(
             seq_len=cfg.seq_len, max_open=cfg.lease_pool, shard_cache=max(4, 2 * cfg.lease_pool)
         )
-        self.router = Router()
+        self.router = Router(affinity=cfg.route_affinity)
         self.join: JoinReply | None = None
         # Wired at the join, when the stage is known:
         self.peers: PeerView | None = None

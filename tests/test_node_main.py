@@ -71,6 +71,13 @@ def test_node_config_refuses_a_state_download_rate_of_zero() -> None:
         NodeConfig(coordinator="h:1", outer_min_rate_mb_s=0.0)
 
 
+@pytest.mark.parametrize("affinity", [0.5, -1.0, float("nan"), float("inf")])
+def test_node_config_refuses_a_route_affinity_that_is_not_a_ratio(affinity: float) -> None:
+    with pytest.raises(ValueError, match="route_affinity"):
+        NodeConfig(coordinator="h:1", route_affinity=affinity)
+    assert NodeConfig(coordinator="h:1", route_affinity=4).route_affinity == 4
+
+
 def test_node_config_announces_dialable_addresses_on_a_fixed_outer_port() -> None:
     cfg = NodeConfig(
         coordinator="h:1", announce=["/ip4/203.0.113.9/tcp/4001"], outer_port=4002,

@@ -72,3 +72,28 @@ def test_dht_root_is_the_coordinators_assignment() -> None:
     assert v.dht_root() is None
     v.update(4, members, dht_root="12D3KooWnotamember")  # not in the view: ignored
     assert v.dht_root() is None
+
+
+def paired(n: int, m: int) -> list[list[int]]:
+    """The ranks of the next-stage replicas each of `n` replicas of stage 0 is paired with,
+    by its own rank, with `m` replicas on stage 1."""
+    mine = [view(0) for _ in range(n)]
+    nxt = [peer(1) for _ in range(m)]
+    listed = [PeerInfo(peer_id=v.me, stage=0, addrs=[], device="cpu", throughput=0.0)
+              for v in mine]  # fmt: skip
+    rank = {pid: i for i, pid in enumerate(sorted(p.peer_id for p in nxt))}
+    for v in mine:
+        v.update(1, {p.peer_id: p for p in [*listed, *nxt]})
+    return [[rank[p] for p in v.partners()] for v in sorted(mine, key=lambda v: v.me)]
+
+
+def test_each_replica_is_paired_with_next_stage_replicas_by_rank() -> None:
+    """Replicas are paired by rank (peer id order) so that each pair trains as one model:
+    one to one when the stages are as large, every next-stage replica paired when it is
+    larger, and senders wrapping round when it is smaller; none on the last stage."""
+    assert paired(2, 2) == [[0], [1]]
+    assert paired(2, 3) == [[0, 2], [1]]
+    assert paired(3, 2) == [[0], [1], [0]]
+    last = view(1)
+    last.update(1, {p.peer_id: p for p in (peer(1), peer(0))})
+    assert last.partners() == []

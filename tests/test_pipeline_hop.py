@@ -51,7 +51,9 @@ class Swarm:
     membership view's order; stage 0 writes its events to `events`, the serving stages
     to `events` with the suffix `.served.jsonl`."""
 
-    def __init__(self, layout: list[tuple[str, int]], faults: FaultPlan, events: Path) -> None:
+    def __init__(
+        self, layout: list[tuple[str, int]], faults: FaultPlan, events: Path, affinity: float = 0.0
+    ) -> None:
         self.ids = {name: NodeKey.generate().peer_id for name, _ in layout}
         self.network = InProcessNetwork(faults)
         n_stages = max(stage for _, stage in layout) + 1
@@ -65,7 +67,8 @@ class Swarm:
         cfg = preset("tiny")
         for name, stage in layout:
             transport = self.network.transport(self.ids[name])
-            view = PeerView(transport, Router(jitter=0.0, explore=0.0), stage=stage)
+            router = Router(jitter=0.0, explore=0.0, affinity=affinity)
+            view = PeerView(transport, router, stage=stage)
             view.update(1, members)
             worker = TorchWorker()
             self.workers.append(worker)
@@ -86,8 +89,10 @@ class Swarm:
 
 
 @contextmanager
-def swarm(layout: list[tuple[str, int]], faults: FaultPlan, events: Path) -> Iterator[Swarm]:
-    s = Swarm(layout, faults, events)
+def swarm(
+    layout: list[tuple[str, int]], faults: FaultPlan, events: Path, affinity: float = 0.0
+) -> Iterator[Swarm]:
+    s = Swarm(layout, faults, events, affinity)
     try:
         yield s
     finally:
@@ -375,3 +380,30 @@ def test_forwards_only_from_the_previous_stage_and_cached_per_sender(tmp_path: P
         assert s.served("m") == 2 and s.hops["m"].tokens_trained == 2 * len(rows()) * SEQ
         m_compute = s.hops["m"].compute
         assert m_compute is not None and m_compute.recomputes == 0
+
+
+@pytest.mark.parametrize("affinity", [0.0, 4.0])
+def test_with_affinity_each_sender_keeps_to_its_paired_replica(
+    tmp_path: Path, affinity: float
+) -> None:
+    """Each stage-0 replica sends its micro-batches to its partner (`PeerView.partners`)
+    with affinity on, so each pair of replicas trains as one model; without it, every
+    micro-batch goes to the fastest-looking replica, whoever sent it."""
+    layout = [("x", 0), ("y", 0), ("a", 1), ("b", 1)]
+    with swarm(layout, FaultPlan(), tmp_path / "events.jsonl", affinity) as s:
+        served: dict[str, dict[str, int]] = {}
+        for sender in ("x", "y"):
+            before = {r: s.served(r) for r in ("a", "b")}
+            for i in range(4):
+                mb = f"{sender}.1.{i}"
+                loss = trio.run(s.hops[sender].run_microbatch, mb, rows(), lambda f: f > 3)
+                assert loss is not None
+            served[sender] = {r: s.served(r) - before[r] for r in ("a", "b")}
+        name = {s.ids[r]: r for r in ("a", "b")}
+        partners = {x: name[p] for x in ("x", "y") for p in s.hops[x].peers.partners()}
+        assert sorted(partners.values()) == ["a", "b"]  # one to one
+        paired = {x: {r: 4 * (r == partners[x]) for r in "ab"} for x in "xy"}
+        if affinity:
+            assert served == paired
+        else:  # the first replica in the view answered first, and both senders keep to it
+            assert served == {x: {"a": 4, "b": 0} for x in "xy"} != paired

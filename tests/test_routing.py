@@ -204,3 +204,26 @@ def test_proof_covers_the_peer_ttl_a_sweep_and_a_heartbeat() -> None:
     assert proof_s(run) == 6.5
     # a coordinator that does not say its sweep interval: assume the longest it may be
     assert proof_s(dataclasses.replace(run, sweep_interval_s=0.0)) == 11.0
+
+
+def test_affinity_keeps_a_preferred_peer_until_it_is_far_slower() -> None:
+    r = _router(jitter=0.0, affinity=3.0)
+    r.succeeded("fast", 0.1, now=0)
+    r.succeeded("paired", 0.25, now=0)
+    assert r.choose(["fast", "paired"], now=0) == "fast"  # no preference given
+    assert r.choose(["fast", "paired"], now=0, prefer=["paired"]) == "paired"
+    r.succeeded("paired2", 0.2, now=0)  # of two paired peers, the sooner one
+    assert r.choose(["fast", "paired", "paired2"], now=0, prefer=["paired", "paired2"]) == (
+        "paired2"
+    )
+    for _ in range(2):  # queued work counts: 3 x 0.25 s against 0.1 s is past 3 x
+        r.started("paired")
+    assert r.choose(["fast", "paired"], now=0, prefer=["paired"]) == "fast"
+    # banned, down or excluded, the preferred peer is not chosen
+    assert r.choose(["fast", "paired"], now=0, exclude={"paired"}, prefer=["paired"]) == "fast"
+    r.failed("fast", now=0, unreachable=True)
+    assert r.choose(["fast", "paired"], now=0, prefer=["paired"]) == "paired"
+    off = _router(jitter=0.0)
+    off.succeeded("fast", 0.1, now=0)
+    off.succeeded("paired", 0.25, now=0)
+    assert off.choose(["fast", "paired"], now=0, prefer=["paired"]) == "fast"
