@@ -56,10 +56,11 @@ class NodeConfig:
     # leases stage 0 trains at once, their windows mixed into micro-batches (count); 16
     # measured 0.06-0.15 nats of held-out loss below 8 (docs/outer-loop.md, "Data order")
     lease_pool: int = 16
-    # route to the next-stage replica paired with this one (the same rank among its
-    # stage's replicas) while its expected finish is at most this many times the best
-    # one's, so that each pipeline of replicas trains as one model between outer rounds;
-    # 0 = the fastest replica for every micro-batch (ratio)
+    # route to the next-stage replicas paired with this one by rank (PeerView.partners)
+    # while the sooner one's expected finish is at most this many times the best one's,
+    # so that each pipeline of replicas trains as one model between outer rounds; it
+    # helped a 2 x 2 swarm's loss, not a 4 x 2 one's (docs/outer-loop.md, "Pairing
+    # replicas across stages"); 0 = the fastest replica for every micro-batch (ratio)
     route_affinity: float = 0.0
     # draw a micro-batch's windows at random from the open leases (else in lease order)
     shuffle_windows: bool = True

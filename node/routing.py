@@ -41,7 +41,9 @@ preferred set of candidates, its paired replicas of the next stage
 (`PeerView.partners`), and the router takes the soonest usable one while its expected
 finish is within `affinity` times the best candidate's: each pipeline of paired
 replicas then trains as one model between outer rounds, and a dead, banned or far
-slower partner still loses the micro-batch to the others. docs/outer-loop.md has what it measured.
+slower partner still loses the micro-batch to the others. Measured side by side it
+lowered the 2 x 2 swarm's loss gap to the central run and not the 4 x 2 one's
+(docs/outer-loop.md, "Pairing replicas across stages"), so it is not the default.
 
 A peer never measured is as fast as the fastest measured one at each choice, not at the
 moment it was first seen: two replicas seen before either answered were both fixed at
