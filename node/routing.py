@@ -112,6 +112,11 @@ class Router:
         age = max(0.0, now - st.measured_at)
         return best + (st.seconds_per_item - best) * math.pow(0.5, age / self.stale_half_life_s)
 
+    def _finish(self, peer: str, best: float, now: float) -> float:
+        """Expected seconds until `peer` finishes one more item: its queue and that item."""
+        st = self.peers[peer]
+        return (st.in_flight + 1) * self._aged(st, best, now)
+
     def is_down(self, peer: str) -> bool:
         st = self.peers.get(peer)
         return st is not None and st.down_at is not None
@@ -140,8 +145,7 @@ class Router:
             return None
         best = self._fastest()  # once a choice: the simulator asks it of hundreds of peers
         if self.affinity > 0 and prefer:
-            finish = {p: (self.peers[p].in_flight + 1) * self._aged(self.peers[p], best, now)
-                      for p in live}  # fmt: skip
+            finish = {p: self._finish(p, best, now) for p in live}
             paired = [p for p in live if p in prefer]
             if paired:
                 soonest = min(paired, key=finish.__getitem__)
@@ -149,13 +153,8 @@ class Router:
                     return soonest
         if len(live) > 1 and self.rng.random() < self.explore:
             return self.rng.choice(live)
-        rand, jitter, peers = self.rng.random, self.jitter, self.peers
-        return min(
-            live,
-            key=lambda p: (
-                (peers[p].in_flight + 1) * self._aged(peers[p], best, now) * (1 + jitter * rand())
-            ),
-        )
+        rand, jitter = self.rng.random, self.jitter
+        return min(live, key=lambda p: self._finish(p, best, now) * (1 + jitter * rand()))
 
     def started(self, peer: str) -> None:
         self._stats(peer).in_flight += 1
