@@ -61,6 +61,7 @@ from node.baseline import TrainConfig
 from node.config import NodeConfig
 from node.data import Dataset, load_dataset
 from node.model import preset
+from node.outer.settings import COMPRESSIONS
 from protocol.tensors import CODECS
 from swarmlab.procs import workdir_path
 
@@ -149,8 +150,9 @@ def _parser() -> argparse.ArgumentParser:
         help="inner steps per round (default 25; 0: no outer loop)",
     )
     p.add_argument(
-        "--outer-compression", default=None, choices=("none", "fp16", "uint8"),
-        help=f"pseudo-gradient codec (default: the node's, {_node_default('outer_compression')})",
+        "--outer-compression", default=None, choices=COMPRESSIONS,
+        help=f"pseudo-gradient codec (default: the node's, {_node_default('outer_compression')};"
+        " topk1 / topk3: the top 1 / 3 %% of each chunk, with error feedback)",
     )  # fmt: skip
     p.add_argument(
         "--participation-power", type=float, default=None,

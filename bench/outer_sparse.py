@@ -5,8 +5,9 @@ sent; per round it adds its pseudo-gradient (e = beta e + delta), sends the top 
 of each chunk of `CHUNK` values by magnitude, each quantized to `bits` bits on a uniform
 grid over [-max, max] of the chunk's selection, and keeps the rest (e -= sent). What is
 sent is what every member decodes and averages. `wire_bytes` counts a chunk as its k
-16-bit indices, its k codes and one fp32 scale. Pure torch; the outer process does not
-use it yet (docs/outer-averaging.md says what was measured with it).
+16-bit indices, its k codes and one fp32 scale. Pure torch. The outer process's own
+sparse codecs (`node.outer.sparse`, `topk1` and `topk3`) select the same way without the
+2-bit grid (docs/outer-averaging.md says what was measured with each).
 """
 
 from __future__ import annotations
@@ -16,13 +17,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-CHUNK = 4096  # values per chunk: a 16-bit index addresses any of them
+from node.outer.sparse import CHUNK, chunk_k
+
 # codec name -> (fraction of each chunk sent, bits a value); the simulation's names
 SPARSE_CODECS = {"sparse1": (0.01, 2), "sparse3": (0.03, 2)}
-
-
-def chunk_k(frac: float, chunk: int = CHUNK) -> int:
-    return max(1, min(chunk, round(frac * chunk)))
 
 
 def topk_quantize(x: torch.Tensor, frac: float, bits: int, chunk: int = CHUNK) -> torch.Tensor:

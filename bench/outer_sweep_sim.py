@@ -79,6 +79,7 @@ from node.diloco import (
 )
 from node.model import PRESETS, ModelConfig, param_groups, preset
 from node.outer.contract import COMPRESSIONS
+from node.outer.sparse import SPARSE
 
 DATA_MODES = ("random", "lease", "pooled")
 SCHEDULES = ("constant", "cosine")
@@ -184,7 +185,9 @@ class Setting:
         return tuple(d.values())
 
 
-OUTER_CODECS = (*COMPRESSIONS, *SPARSE_CODECS)  # what `Setting.outer_compression` takes
+# what `Setting.outer_compression` takes: the outer process's dense codecs (its sparse
+# ones select with error feedback inside the outer process), and this simulation's own
+OUTER_CODECS = (*(c for c in COMPRESSIONS if c not in SPARSE), *SPARSE_CODECS)
 
 
 def flat_params(model: ChainedStages) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from node.outer.settings import COMPRESSIONS
 from protocol.addrs import MAX_ADDRS, announce_problem, ip_of, multiaddr_problem
 from protocol.pinning import CoordinatorAddress, parse_address
 
@@ -74,7 +75,7 @@ class NodeConfig:
     drain_timeout_s: float = 30.0  # seconds to finish in-flight work on shutdown
     max_tokens: int | None = None  # stop after committing this many tokens (None = run on)
     outer_every_steps: int = 25  # inner steps between DiLoCo outer rounds (0 = no outer loop)
-    outer_compression: str = "fp16"  # pseudo-gradient codec: none | fp16 | uint8
+    outer_compression: str = "fp16"  # pseudo-gradient codec: none | fp16 | uint8 | topk1 | topk3
     outer_port: int = 0  # TCP port the outer loop's DHT listens on (0 = OS-chosen)
     # multiaddrs the outer loop's DHT announces instead of its listen addresses (a port
     # your router forwards to outer_port); empty = its listen addresses
@@ -188,6 +189,10 @@ class NodeConfig:
         if self.outer_announce and self.outer_port == 0:
             raise ValueError(
                 "outer_announce needs a fixed outer_port (the port it forwards to), not 0"
+            )
+        if self.outer_compression not in COMPRESSIONS:
+            raise ValueError(
+                f"outer_compression must be one of {COMPRESSIONS}, got {self.outer_compression!r}"
             )
         if not all(isinstance(a, str) and a for a in self.outer_program):
             raise ValueError("outer_program: a list of non-empty arguments")

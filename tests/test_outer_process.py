@@ -366,22 +366,34 @@ def _pgid(pid: int) -> int | None:
 
 
 def test_wire_codecs_round_trip_in_the_outer_interpreter(child_env: dict[str, str]) -> None:
-    """fp16 and 8-bit pseudo-gradients decode to within their codec's error (in a fresh
-    interpreter, since it imports hivemind)."""
+    """fp16 and 8-bit pseudo-gradients decode to within their codec's error, a sparse one
+    exactly, and a message of another size than expected is refused before decoding (in
+    a fresh interpreter, since it imports hivemind)."""
     code = (
-        "import torch\n"
+        "import pytest, torch\n"
         "from hivemind.compression import CompressionInfo\n"
+        "from node.outer.sparse import select_topk\n"
         "from node.outer.wire import compression, decode_tensor, round_trip\n"
         "x = torch.randn(10000) * 1e-3\n"
         "for name, tol in (('fp16', 1e-3), ('uint8', 3e-2)):\n"
         "    codec = compression(name)\n"
         "    msg = codec.compress(x, CompressionInfo.from_tensor(x), allow_inplace=False)\n"
-        "    y = decode_tensor(msg)\n"
+        "    y = decode_tensor(msg, x.numel())\n"
         "    err = float((y - x).norm() / x.norm())\n"
         "    assert y.shape == x.shape and err < tol, (codec, err)\n"
         "    assert torch.equal(round_trip(x, name), y)\n"
         "    print(type(codec).__name__, len(msg.buffer), err)\n"
+        "    with pytest.raises(ValueError, match='expected 9999 values'):\n"
+        "        decode_tensor(msg, 9999)\n"
         "assert torch.equal(round_trip(x, 'none'), x)\n"
+        "s = select_topk(x, 0.03)\n"
+        "codec = compression('topk3')\n"
+        "msg = codec.compress(s, CompressionInfo.from_tensor(s), allow_inplace=False)\n"
+        "assert torch.equal(decode_tensor(msg, s.numel()), s) and torch.equal(round_trip(s, 'topk3'), s)\n"
+        "print(type(codec).__name__, len(msg.buffer), int((s != 0).sum()))\n"
+        "msg.size[0] = 2**30\n"
+        "with pytest.raises(ValueError, match='expected 10000 values'):\n"
+        "    decode_tensor(msg, 10000)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=120
@@ -389,6 +401,9 @@ def test_wire_codecs_round_trip_in_the_outer_interpreter(child_env: dict[str, st
     assert out.returncode == 0, out.stderr[-2000:]
     # 8-bit: int64 codebook size + 256 fp32 codebook entries + one byte per element
     assert "Uniform8BitQuantization 11032" in out.stdout, out.stdout
+    # 3 % of each chunk of 4,096 (the last one padded): 123 a chunk, three chunks, 4 bytes
+    # a nonzero plus one block count
+    assert "NonzerosCompression 1480 369" in out.stdout, out.stdout
 
 
 class Compute:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from node.diloco import DilocoConfig
+from node.outer.sparse import CHUNK, select_topk
 from node.outer_link import OuterConfig, OuterLink, RoundResult
 
 N = 3000  # parameters per replica: three parts of 1000
@@ -261,3 +262,28 @@ def test_in_a_group_of_two_the_reducer_bounds_the_others_contribution_by_its_own
     assert (c.peer_id in ra.accused) == (attack != "noise"), ra.accused
     assert expect in ra.accused.get(c.peer_id, expect)
     assert ra.contributed and a.peer_id not in ra.accused
+
+
+def test_sparse_contributions_reduce_to_identical_states_and_keep_their_residual(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """With `topk3` each member contributes the top 3 % of each chunk of its pseudo-gradient;
+    the reducers' aggregates travel as nonzeros too, and the members end bitwise identical
+    on the weighted mean of the selections, at a fraction of the fp16 bytes."""
+    numel = 3 * CHUNK
+    config = dataclasses.replace(CFG, compression="topk3")
+    tokens = [100, 200, 300]
+    members, theta0, results = grouped_round(
+        links, child_env, {}, lambda rs: all(r.group_size == 3 for r in rs), config, numel
+    )
+    assert all(r.applied and r.contributed for r in results), results
+    assert not any(r.rejected for r in results), [r.rejected for r in results]
+    assert len({r.digest for r in results}) == 1
+    assert all(torch.equal(members[0].theta_g(), m.theta_g()) for m in members[1:])
+    sent = [select_topk(theta0 - work(theta0, i), 0.03) for i in range(3)]
+    d = sum(t * x for t, x in zip(tokens, sent, strict=True)) / sum(tokens)
+    d = d.half().float()  # the reducers' aggregates, at fp16 on the wire
+    expect = theta0 - 0.7 * (d + 0.9 * d)
+    assert torch.allclose(members[0].theta_g(), expect, atol=1e-6)
+    fp16_out = 5 * 2 * numel // 3  # what the most a member sends would be at fp16
+    assert all(0 < r.bytes_out < fp16_out / 5 for r in results), [r.bytes_out for r in results]

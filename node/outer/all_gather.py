@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
 
@@ -17,12 +18,16 @@ from hivemind.compression import CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.utils.streaming import (
+    STREAMING_CHUNK_SIZE_BYTES,
+    combine_from_streaming,
+    split_for_streaming,
+)
 
 from node.diloco import Contribution, aggregate
 from node.outer.round_book import RoundBook
 from node.outer.round_host import GroupRoundHost
-from node.outer.wire import decode_tensor
+from node.outer.wire import decode_tensor, max_wire_bytes
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ class AllGatherRounds(GroupRoundHost):
                     )
             for task in tasks:
                 task.cancel()
-            own = decode_tensor(serialized)  # what the others decoded
+            own = decode_tensor(serialized, flat.numel())  # what the others decoded
             received = dict(ex.received)
             received[self.peer_id] = own
             peers = list(group_info.peer_ids)
@@ -145,8 +150,8 @@ class AllGatherRounds(GroupRoundHost):
     def _accept(self, ex: _Exchange, peer: PeerID, parts: list[runtime_pb2.Tensor]) -> None:
         if not parts:
             raise ValueError(f"{peer} sent no tensor parts")
-        tensor = decode_tensor(combine_from_streaming(parts))
         mine = self._averaged_tensors[0]
+        tensor = decode_tensor(combine_from_streaming(parts), mine.numel())
         if tensor.shape != mine.shape or tensor.dtype != mine.dtype:
             raise ValueError(
                 f"{peer} sent shape {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(mine.shape)}"
@@ -168,7 +173,9 @@ class AllGatherRounds(GroupRoundHost):
                 yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
                 return
             parts = [first.tensor_part]
-            limit = 4 * len(ex.mine) + 16  # parts; the 8-bit and fp32 forms differ in count
+            # parts: any codec's largest message of our size (the codecs differ in bytes)
+            numel = self._averaged_tensors[0].numel()
+            limit = math.ceil(max_wire_bytes(numel) / STREAMING_CHUNK_SIZE_BYTES) + 1
             async for msg in aiter_with_timeout(stream, timeout):
                 parts.append(msg.tensor_part)
                 if len(parts) > limit:

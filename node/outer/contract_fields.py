@@ -118,3 +118,11 @@ def path_of(d: dict[str, Any], key: str, cls: type) -> str:
     if not v.startswith("/") or "\0" in v:
         raise ProtocolError(f"{where(cls)}: {key} must be an absolute path")
     return v
+
+
+def caught(info: dict[str, Any]) -> dict[str, str]:
+    """The groupmates this member caught itself in a group round (`accused`), as the
+    contract carries them."""
+    found = info.get("accused", {})
+    items = list(found.items())[:MAX_PEERS] if isinstance(found, dict) else []
+    return {str(k)[:MAX_ADDR]: str(v)[:MAX_TEXT] for k, v in items}

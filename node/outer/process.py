@@ -57,11 +57,12 @@ from node.outer.contract import (
     decode_command,
     encode,
 )
-from node.outer.contract_fields import MAX_ADDR, MAX_PEERS, MAX_TEXT
+from node.outer.contract_fields import caught
 from node.outer.dht_records import MemberRecords, admit_members, keep_valid_entries
 from node.outer.lifecycle import identity_file, node_key, vanish
 from node.outer.parts import MAX_ADDRS, group_canonical, group_target, named_attested
 from node.outer.settings import MAX_COUNT
+from node.outer.sparse import SPARSE, ErrorFeedback
 from node.outer.state_download import state_digest
 from node.outer.wire import compression
 from protocol.errors import ProtocolError
@@ -78,14 +79,6 @@ REBASE_TIMEOUT_S = 10.0
 
 def digest(state: OuterState) -> str:
     return state_digest(state.round, state.theta_g, state.m)
-
-
-def caught(info: dict[str, Any]) -> dict[str, str]:
-    """The groupmates this member caught itself in a group round (`accused`), as the
-    contract carries them."""
-    found = info.get("accused", {})
-    items = list(found.items())[:MAX_PEERS] if isinstance(found, dict) else []
-    return {str(k)[:MAX_ADDR]: str(v)[:MAX_TEXT] for k, v in items}
 
 
 def source_lineage(meta: dict[str, Any]) -> list[Link]:
@@ -192,6 +185,8 @@ class OuterProcess:
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         self.listen_addrs = [a.split("/p2p/")[0] for a in addrs][:MAX_ADDRS]
         self.contribution = torch.zeros(init.numel, dtype=torch.float32)
+        # what a sparse codec has not sent yet (a dense codec's sends everything)
+        self.feedback = ErrorFeedback(SPARSE.get(self.cfg.compression))
         carry = torch.zeros(init.numel, dtype=torch.float32)
         self.carry = carry.share_memory_()  # type: ignore[no-untyped-call]  # forked: shared
         # the round's limit, plus the exchange's bytes at the slowest rate waited for
@@ -240,8 +235,10 @@ class OuterProcess:
 
     def handle(self, cmd: Command) -> Reply:
         """One command after `Init`, and its reply."""
-        if isinstance(cmd, (SetState, Fetch)) and cmd.members is not None:  # None: as before
-            self.admit(cmd.members)
+        if isinstance(cmd, (SetState, Fetch)):  # a state from elsewhere: nothing of ours pends
+            self.feedback.reset()
+            if cmd.members is not None:  # None: as before
+                self.admit(cmd.members)
         if isinstance(cmd, SetState):  # round 0, or a checkpoint's round and momentum
             state = OuterState.fresh(self.snap)
             state.round = cmd.round
@@ -380,7 +377,7 @@ class OuterProcess:
         st = self.state
         assert st is not None
         with self.averager.get_tensors() as tensors:
-            tensors[0].copy_(delta)
+            tensors[0].copy_(self.feedback.select(delta))
         gather = {
             "round": st.round,
             "digest": self.digest,
@@ -440,6 +437,7 @@ class OuterProcess:
             applied, rnd, eta_r, used, size, adopted = self.finish_group_round(info, d)
             rebased = rebased or adopted
             contributed = applied and self.own_weight(info) > 0.0
+        self.feedback.settle(used=contributed and size > 1)  # a lone step applied it all
         with self.lock:
             state_in, state_out, self.state_in, self.state_out = self.state_in, self.state_out, 0, 0
         refused, self.refused = self.refused, 0  # since the last round's report

@@ -43,7 +43,7 @@ from node.outer.parts import (
 )
 from node.outer.round_book import RoundBook
 from node.outer.round_host import GroupRoundHost
-from node.outer.wire import decode_tensor
+from node.outer.wire import decode_tensor, max_wire_bytes
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class ReduceScatterRounds(GroupRoundHost):
                     self._push(rnd, gid, peers[audit[0]], header, mine[audit[1]], done_by)
                 )
             if me < len(bounds):
-                rnd.contribs[self.peer_id] = (mine[me], decode_tensor(mine[me]).flatten())
+                rnd.contribs[self.peer_id] = (mine[me], _decoded(mine[me], bounds[me]))
                 if not await rnd.wait(("contrib",), reduce_by):
                     log.warning(
                         "part %d: %d of %d contributions by %.1fs; reducing without the rest",
@@ -173,7 +173,7 @@ class ReduceScatterRounds(GroupRoundHost):
                 msg, manifest, rnd.suspects = await loop.run_in_executor(
                     None, self._reduce, dict(rnd.contribs), peers, me, numel, ctx
                 )
-                decoded = decode_tensor(msg).flatten() if msg is not None else None
+                decoded = _decoded(msg, bounds[me]) if msg is not None else None
                 rnd.reduced[me] = (msg, decoded, manifest)
                 header = Header(kind="reduced", part=me, manifest=manifest).encode()
                 for i, peer in enumerate(peers):
@@ -184,7 +184,7 @@ class ReduceScatterRounds(GroupRoundHost):
             if audit is not None and audit[0] == me:
                 if audit[1] < len(mine):
                     own = mine[audit[1]]
-                    rnd.audits[self.peer_id] = (own, decode_tensor(own).flatten())
+                    rnd.audits[self.peer_id] = (own, _decoded(own, bounds[audit[1]]))
             if not await rnd.wait(("reduced", "audit"), done_by):
                 log.warning(
                     "reduced parts: %d of %d by %.1fs; the missing ones get no update",
@@ -283,7 +283,7 @@ class ReduceScatterRounds(GroupRoundHost):
             if j == rnd.me or not acked.get(f"contrib{j}", False):
                 continue
             own = Contribution(
-                delta=decode_tensor(mine[j]).flatten(),
+                delta=_decoded(mine[j], rnd.bounds[j]),
                 tokens=ctx["tokens"][me],
                 staleness=ctx["staleness"][me],
             )
@@ -466,13 +466,13 @@ class ReduceScatterRounds(GroupRoundHost):
                 ok, store = j == i and j != rnd.me, None
             if not ok:
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            limit = 4 * (b - a) + 4096  # bytes: fp32 with no codec, plus a codebook
+            limit = max_wire_bytes(b - a)  # bytes: fp32 with no codec, plus a codebook
             chunks: list[runtime_pb2.Tensor] = []
             size = await _read_chunks(stream, timeout, limit, f"{sender} for part {j}", chunks)
             tensor, whole = None, None
             if chunks:
                 whole = combine_from_streaming(chunks)
-                tensor = decode_tensor(whole).flatten()
+                tensor = _decoded(whole, (a, b))
                 if tensor.dtype != torch.float32 or tensor.numel() != b - a:
                     raise ValueError(
                         f"{sender} sent {tensor.numel()} {tensor.dtype} for part {j} of {b - a}"
@@ -523,6 +523,11 @@ async def _read_chunks(
         if into is not None:
             into.append(msg.tensor_part)
     return size
+
+
+def _decoded(msg: runtime_pb2.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
+    """A part's message decoded, flat: as many values as the part holds, or ValueError."""
+    return decode_tensor(msg, bounds[1] - bounds[0]).flatten()
 
 
 def _digest_of(msg: runtime_pb2.Tensor) -> str:

@@ -18,8 +18,12 @@ from typing import Any
 from protocol.addrs import MAX_ADDRS, announce_problem
 from protocol.errors import ProtocolError
 
-COMPRESSIONS = ("none", "fp16", "uint8")  # pseudo-gradient wire codecs, by name
-WIRE_BYTES = {"none": 4, "fp16": 2, "uint8": 1}  # bytes a parameter on the wire, by codec
+# pseudo-gradient wire codecs, by name: dense ones, and the top 1 or 3 % of each chunk of
+# 4,096 values with error feedback, sent as nonzeros (node.outer.sparse)
+COMPRESSIONS = ("none", "fp16", "uint8", "topk1", "topk3")
+# bytes a parameter on the wire, by codec (sparse: one contribution, 4 bytes a nonzero;
+# a reduced part holds up to a group's contributions' nonzeros: `exchange_s`)
+WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "uint8": 1.0, "topk1": 0.04, "topk3": 0.12}
 # how a group averages (docs/outer-averaging.md): reduce-scatter + all-gather of compressed
 # parts (bytes per replica flat in the group size), or every member sending its whole
 # contribution to every other member (bytes per replica grow with the group)
@@ -166,7 +170,10 @@ class OuterConfig:
         sends (as much as it receives) at `min_rate_mb_s`, 2 compressed stages with the
         reduce-scatter, one per other member of the largest group with the all-gather."""
         copies = 2 if self.averaging == "reduce_scatter" else self.target_group_size - 1
-        return copies * WIRE_BYTES[self.compression] * numel / (self.min_rate_mb_s * 1e6)
+        per_param = WIRE_BYTES[self.compression]
+        if self.compression.startswith("topk"):
+            per_param = min(4.0, per_param * self.target_group_size)
+        return copies * per_param * numel / (self.min_rate_mb_s * 1e6)
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
