@@ -1,6 +1,7 @@
 """The outer process's dealings with the operating system: the node's key (and a private
-file of it for the p2p daemon), and exiting at once with the whole process group when the
-stage process that owns it has died."""
+file of it for the p2p daemon), starting its DHT again when the port the OS chose was
+taken before the daemon bound it, and exiting at once with the whole process group when
+the stage process that owns it has died."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import logging
 import os
 import signal
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from protocol.identity import LIBP2P_ED25519_PRIVATE, PRIVATE_KEY_SIZE, NodeKey
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# starts of a DHT on an OS-chosen port, while its daemon finds that port taken (count)
+PORT_TRIES = 3
 
 
 def node_key(identity: bytes) -> NodeKey:
@@ -40,6 +45,25 @@ def identity_file(identity: bytes) -> Iterator[str | None]:
         with os.fdopen(fd, "wb") as f:
             f.write(identity)
         yield str(path)
+
+
+def port_retried(start: Callable[[], T], os_chosen: bool) -> T:
+    """`start()`, again (up to `PORT_TRIES` in all) while it fails because the p2p daemon
+    found its listen port in use: seen once in a loaded swarm with port 0 ("listen tcp4
+    0.0.0.0:56111: bind: address already in use"), which killed the node at start. A
+    fixed port (`os_chosen` False) that is taken stays an error the user must see."""
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return start()
+        except Exception as exc:
+            if (
+                not os_chosen
+                or "address already in use" not in str(exc).lower()
+                or attempt == PORT_TRIES
+            ):
+                raise
+            log.warning("outer process: the DHT's port was taken (%s); starting it again", exc)
+    raise AssertionError("unreachable")
 
 
 def vanish(paths: Iterable[str]) -> NoReturn:

@@ -59,7 +59,7 @@ from node.outer.contract import (
 )
 from node.outer.contract_fields import caught
 from node.outer.dht_records import MemberRecords, admit_members, keep_valid_entries
-from node.outer.lifecycle import identity_file, node_key, vanish
+from node.outer.lifecycle import identity_file, node_key, port_retried, vanish
 from node.outer.parts import MAX_ADDRS, group_canonical, group_target, named_attested
 from node.outer.settings import MAX_COUNT
 from node.outer.sparse import SPARSE, ErrorFeedback
@@ -170,17 +170,19 @@ class OuterProcess:
         ])  # fmt: skip
         self.refused = 0  # records its validator refused, not yet reported in a round
         with identity_file(key.libp2p_private_key()) as identity_path:
-            self.dht = DHT(
-                initial_peers=list(init.initial_peers),
-                host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
-                announce_maddrs=list(self.cfg.announce) or None,
-                identity_path=identity_path,
-                # hivemind would start a second daemon to ask the DHT whether the key is
-                # in use; the node's key is its own
-                check_if_identity_free=False,
-                record_validators=[self.records],
-                start=True,
-                await_ready=True,
+            self.dht = port_retried(
+                lambda: DHT(
+                    initial_peers=list(init.initial_peers),
+                    host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
+                    announce_maddrs=list(self.cfg.announce) or None,
+                    identity_path=identity_path,
+                    # no second daemon to ask whether the key is in use: it is the node's
+                    check_if_identity_free=False,
+                    record_validators=[self.records],
+                    start=True,
+                    await_ready=True,
+                ),
+                os_chosen=self.cfg.port == 0,
             )
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         self.listen_addrs = [a.split("/p2p/")[0] for a in addrs][:MAX_ADDRS]

@@ -81,11 +81,12 @@ def compression(name: str) -> CompressionBase:
 
 
 def decode_tensor(msg: runtime_pb2.Tensor, numel: int) -> torch.Tensor:
-    """The tensor of `numel` values that `msg` carries (ValueError for another count,
-    checked before anything is decoded). `deserialize_torch_tensor`, except for hivemind 1.1.12's 8-bit codecs, whose `extract`
-    fails with numpy 2 (`int()` of a 1-element array; same byte layout: int64 codebook
-    size, fp32 codebook, uint8 indices), and for `NonzerosCompression`'s messages, whose
-    shape is bounded by their bytes."""
+    """The tensor of `numel` values that `msg` carries: ValueError for another count,
+    checked before anything is allocated (a sender's `size` is as hostile as its bytes).
+    `deserialize_torch_tensor`, except for `NonzerosCompression`'s messages and for
+    hivemind 1.1.12's 8-bit codecs, whose `extract` fails with numpy 2 (`int()` of a
+    1-element array; same byte layout: int64 codebook size, fp32 codebook, uint8
+    indices)."""
     if math.prod(msg.size) != numel:
         raise ValueError(f"a message of shape {list(msg.size)[:4]}, expected {numel} values")
     if msg.dtype == NONZEROS_DTYPE:
