@@ -187,7 +187,7 @@ class OuterProcess:
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         self.listen_addrs = [a.split("/p2p/")[0] for a in addrs][:MAX_ADDRS]
         self.contribution = torch.zeros(init.numel, dtype=torch.float32)
-        # what a sparse codec has not sent yet (a dense codec's sends everything)
+        # what a sparse codec has not sent yet (with a dense one, everything is sent)
         self.feedback = ErrorFeedback(SPARSE.get(self.cfg.compression))
         carry = torch.zeros(init.numel, dtype=torch.float32)
         self.carry = carry.share_memory_()  # type: ignore[no-untyped-call]  # forked: shared
@@ -237,7 +237,7 @@ class OuterProcess:
 
     def handle(self, cmd: Command) -> Reply:
         """One command after `Init`, and its reply."""
-        if isinstance(cmd, (SetState, Fetch)):  # a state from elsewhere: nothing of ours pends
+        if isinstance(cmd, (SetState, Fetch)):  # a state set or fetched: no residual yet
             self.feedback.reset()
             if cmd.members is not None:  # None: as before
                 self.admit(cmd.members)

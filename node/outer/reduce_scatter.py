@@ -466,7 +466,7 @@ class ReduceScatterRounds(GroupRoundHost):
                 ok, store = j == i and j != rnd.me, None
             if not ok:
                 return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            limit = max_wire_bytes(b - a)  # bytes: fp32 with no codec, plus a codebook
+            limit = max_wire_bytes(b - a)  # bytes: any codec's largest message of the part
             chunks: list[runtime_pb2.Tensor] = []
             size = await _read_chunks(stream, timeout, limit, f"{sender} for part {j}", chunks)
             tensor, whole = None, None
