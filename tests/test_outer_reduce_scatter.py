@@ -264,12 +264,13 @@ def test_in_a_group_of_two_the_reducer_bounds_the_others_contribution_by_its_own
     assert ra.contributed and a.peer_id not in ra.accused
 
 
-def test_sparse_contributions_reduce_to_identical_states_and_keep_their_residual(
+def test_sparse_contributions_reduce_to_identical_states_at_a_fraction_of_the_bytes(
     links: list[OuterLink], child_env: dict[str, str]
 ) -> None:
     """With `topk3` each member contributes the top 3 % of each chunk of its pseudo-gradient;
     the reducers' aggregates travel as nonzeros too, and the members end bitwise identical
-    on the weighted mean of the selections, at a fraction of the fp16 bytes."""
+    on the weighted mean of the selections, at a fraction of the fp16 bytes. (What the
+    residual keeps between rounds: tests/test_outer_topk.py.)"""
     numel = 3 * CHUNK
     config = dataclasses.replace(CFG, compression="topk3")
     tokens = [100, 200, 300]
