@@ -288,3 +288,51 @@ def test_sparse_contributions_reduce_to_identical_states_at_a_fraction_of_the_by
     assert torch.allclose(members[0].theta_g(), expect, atol=1e-6)
     fp16_out = 5 * 2 * numel // 3  # what the most a member sends would be at fp16
     assert all(0 < r.bytes_out < fp16_out / 5 for r in results), [r.bytes_out for r in results]
+
+
+def test_what_a_sparse_round_did_not_send_rides_in_the_next(
+    links: list[OuterLink], child_env: dict[str, str]
+) -> None:
+    """A member's second `topk3` contribution is the top 3 % of what its first one left
+    out plus its new pseudo-gradient: the stage steps by exactly that, not by a selection
+    of the new pseudo-gradient alone."""
+    numel = 3 * CHUNK
+    config = dataclasses.replace(CFG, compression="topk3")
+    tokens = [100, 200, 300]
+
+    def round_of(members: list[OuterLink], works: list[torch.Tensor]) -> list[RoundResult]:
+        for m, w, t in zip(members, works, tokens, strict=True):
+            m.begin_round([w], t)
+        return [m.wait_result(60) for m in members]
+
+    for attempt in range(4):  # matchmaking may split the three under load: a fresh stage
+        members, theta0 = group(links, child_env, 3, None, config, numel)
+        works = [work(theta0, i) for i in range(3)]
+        if all(r.group_size == 3 for r in round_of(members, works)):
+            # copies: the link's tensors are views of buffers the next round rewrites
+            theta1, m1 = members[0].theta_g().clone(), members[0].momentum().clone()
+            works2 = [
+                theta1 - 0.01 * (vec(2, 1.0, numel) + vec(20 + i, 1.0, numel)) for i in range(3)
+            ]
+            seconds = round_of(members, works2)
+            if all(r.group_size == 3 for r in seconds):
+                break
+        print(f"attempt {attempt}: the three did not group in both rounds")
+    else:
+        raise AssertionError("the replicas never grouped twice in a row in 4 tries")
+    assert all(r.applied and r.contributed for r in seconds), seconds
+    assert all(torch.equal(members[0].theta_g(), m.theta_g()) for m in members[1:])
+
+    def step(contribs: list[torch.Tensor]) -> torch.Tensor:
+        d = (sum(t * x for t, x in zip(tokens, contribs, strict=True)) / sum(tokens)).half()
+        m2 = 0.9 * m1 + d.float()
+        return theta1 - 0.7 * (d.float() + 0.9 * m2)
+
+    left = [theta0 - w - select_topk(theta0 - w, 0.03) for w in works]
+    with_residual = step(
+        [select_topk(e + theta1 - w, 0.03) for e, w in zip(left, works2, strict=True)]
+    )
+    without = step([select_topk(theta1 - w, 0.03) for w in works2])
+    # within one fp16 step of an aggregate value (the reducers round their sums once)
+    assert torch.allclose(members[0].theta_g(), with_residual, atol=5e-5)
+    assert float((members[0].theta_g() - without).abs().max()) > 1e-3
