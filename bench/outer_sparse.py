@@ -15,9 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from node.outer.sparse import CHUNK, chunk_k
+from node.outer.sparse import CHUNK, chunk_k, chunk_topk, scatter_rows
 
 # codec name -> (fraction of each chunk sent, bits a value); the simulation's names
 SPARSE_CODECS = {"sparse1": (0.01, 2), "sparse3": (0.03, 2)}
@@ -28,16 +27,11 @@ def topk_quantize(x: torch.Tensor, frac: float, bits: int, chunk: int = CHUNK) -
     `bits`-bit grid over [-m, m] (m: the largest selected magnitude), zeros elsewhere."""
     if not 0.0 < frac <= 1.0 or not 1 <= bits <= 8:
         raise ValueError(f"frac must be in (0, 1] and bits in 1..8, got {frac}, {bits}")
-    n = x.numel()
-    v = F.pad(x.detach().flatten().to(torch.float32), (0, (-n) % chunk)).view(-1, chunk)
-    idx = v.abs().topk(chunk_k(frac, chunk), dim=1).indices
-    sel = v.gather(1, idx)
+    rows, idx, sel = chunk_topk(x, frac, chunk)
     m = sel.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     levels = 2**bits - 1  # grid steps between -m and m
     q = torch.round((sel / m + 1.0) * levels / 2.0).clamp(0, levels)
-    out = torch.zeros_like(v)
-    out.scatter_(1, idx, (q * 2.0 / levels - 1.0) * m)
-    return out.flatten()[:n]
+    return scatter_rows(rows, idx, (q * 2.0 / levels - 1.0) * m, x.numel())
 
 
 def wire_bytes(numel: int, frac: float, bits: int, chunk: int = CHUNK) -> int:

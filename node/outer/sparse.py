@@ -32,18 +32,34 @@ def chunk_k(frac: float, chunk: int = CHUNK) -> int:
     return max(1, min(chunk, round(frac * chunk)))
 
 
-def select_topk(x: torch.Tensor, frac: float) -> torch.Tensor:
-    """`x` (flat) with all but the `frac` largest magnitudes of each chunk zeroed, the kept
-    values rounded to fp16 (so `encode_nonzeros` carries them exactly)."""
+def chunk_topk(
+    x: torch.Tensor, frac: float, chunk: int = CHUNK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`x` (flat) zero-padded into rows of `chunk` values, and the indices and values of
+    each row's `frac` largest magnitudes."""
     if not 0.0 < frac <= 1.0:
         raise ValueError(f"frac must be in (0, 1], got {frac}")
     n = x.numel()
-    v = F.pad(x.detach().flatten().to(torch.float32), (0, (-n) % CHUNK)).view(-1, CHUNK)
-    idx = v.abs().topk(chunk_k(frac), dim=1).indices
-    kept = v.gather(1, idx).clamp(-_F16_MAX, _F16_MAX).to(torch.float16).to(torch.float32)
-    out = torch.zeros_like(v)
-    out.scatter_(1, idx, kept)
+    v = F.pad(x.detach().flatten().to(torch.float32), (0, (-n) % chunk)).view(-1, chunk)
+    idx = v.abs().topk(chunk_k(frac, chunk), dim=1).indices
+    return v, idx, v.gather(1, idx)
+
+
+def scatter_rows(
+    rows: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, n: int
+) -> torch.Tensor:
+    """Zeros shaped like `rows` with `values` at `idx` per row, flat and cut to `n`."""
+    out = torch.zeros_like(rows)
+    out.scatter_(1, idx, values)
     return out.flatten()[:n]
+
+
+def select_topk(x: torch.Tensor, frac: float) -> torch.Tensor:
+    """`x` (flat) with all but the `frac` largest magnitudes of each chunk zeroed, the kept
+    values rounded to fp16 (so `encode_nonzeros` carries them exactly)."""
+    rows, idx, sel = chunk_topk(x, frac)
+    kept = sel.clamp(-_F16_MAX, _F16_MAX).to(torch.float16).to(torch.float32)
+    return scatter_rows(rows, idx, kept, x.numel())
 
 
 class ErrorFeedback:
