@@ -185,34 +185,33 @@ class OuterRounds:
         self, replicas_exist: bool, resume: GlobalState | None, keep_progress: bool
     ) -> bool:
         params = self.compute.parameters()
+        if resume is not None:
+            # Held before the stage's state is asked for: when it is the attested state (a
+            # move to the run's DHT before the first round, a joiner at round 0, a replica
+            # back on the state its stage still holds) the outer process answers the fetch
+            # from it and nothing is downloaded.
+            await self.worker.run(self._seed, resume)
         if replicas_exist:
+            held = (self.link.round, self.link.digest) if resume is not None else None
             got = await self._fetch()
-            if got is not None:
+            if got is not None and (got, self.link.digest) != held:
                 if keep_progress and resume is not None:
                     await self.worker.run(self._rebase, params, resume.theta_g)
                 else:
                     await self.worker.run(self._load, params)
                 log.info("outer: loaded the stage's global state at round %d", got)
                 return True
-            log.warning(
-                "outer: no replica served the stage's attested state within %g s",
-                self.link.state_timeout_s,
-            )
+            if got is None:
+                log.warning(
+                    "outer: no replica served the stage's attested state within %g s",
+                    self.link.state_timeout_s,
+                )
         if resume is None:
             log.info("outer: starting the stage's global state from the initial weights")
             await self.worker.run(
                 lambda: self.link.set_initial_state(params, members=self._members_fn())
             )
             return False
-        await self.worker.run(
-            lambda: self.link.set_initial_state(
-                [resume.theta_g],
-                momentum=resume.momentum,
-                round_=resume.round,
-                lineage=resume.lineage,
-                members=self._members_fn(),
-            )  # fmt: skip
-        )
         if keep_progress:  # the weights stay as they are: progress on top of theta_g
             log.info("outer: set the stage's global state at round %d; the weights keep what"
                      " was trained since", resume.round)  # fmt: skip
@@ -223,6 +222,16 @@ class OuterRounds:
             resume.round, resume.path,
         )  # fmt: skip
         return False
+
+    def _seed(self, state: GlobalState) -> None:
+        """Make `state` the outer process's global state (on the torch worker)."""
+        self.link.set_initial_state(
+            [state.theta_g],
+            momentum=state.momentum,
+            round_=state.round,
+            lineage=state.lineage,
+            members=self._members_fn(),
+        )
 
     async def _fetch(self) -> int | None:
         """Fetch the stage's attested state, asking again with the newest attested state

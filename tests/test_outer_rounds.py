@@ -427,6 +427,59 @@ def test_a_first_replica_starts_the_stage_from_its_initial_weights_and_keeps_its
     assert state.round == 0 and state.digest == "d0" and not rounds.loaded_from_replica
 
 
+def test_a_replica_that_carries_the_attested_state_keeps_its_weights_and_downloads_nothing(
+    scripted: tuple[OuterLink, socket.socket], tmp_path: Path
+) -> None:
+    """A node moving to the run's DHT before its first round (or a joiner while its
+    stage is still at round 0) carries the state its stage attests: it hands that to its
+    new outer process before asking for the stage's state, so the outer process answers
+    the fetch from what it holds (`node.outer.process`, `holds`) and downloads nothing,
+    and the weights keep what was trained since, bit for bit."""
+    link, peer = scripted
+    compute = Compute()
+    initial = torch.arange(NUMEL, dtype=torch.float32)
+    compute.weights.copy_(initial + 0.5)  # trained before the outer loop (re)started
+    worker = TorchWorker()
+    rounds = OuterRounds(
+        worker, compute, link, every_steps=1, snapshot=lambda: None,  # type: ignore[arg-type]
+        on_round=None, sole_replica=lambda: False,  # type: ignore[arg-type]
+        attested=lambda: (0, "d0"), members=lambda: ["QmA", "QmB"],
+    )  # fmt: skip
+    decoder = FrameDecoder(max_frame=c.MAX_CONTROL_FRAME)
+    peer.settimeout(5.0)
+    got: list[object] = []
+
+    def answer() -> None:
+        for _ in range(2):
+            [cmd] = [c.decode_command(p) for p in decoder.feed(peer.recv(1 << 16))]
+            got.append(cmd)
+            if isinstance(cmd, c.SetState):
+                peer.sendall(c.encode(c.StateSet(round=0, digest="d0", lineage=chain(0))))
+            else:  # what it holds is the attested state: the fetch is answered from it
+                peer.sendall(
+                    c.encode(c.StateFetched(ok=True, round=0, digest="d0", lineage=chain(0)))
+                )
+
+    async def main() -> GlobalState:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, answer)
+            with trio.fail_after(10.0):
+                carried = GlobalState(theta_g=initial, momentum=None, round=0, digest="d0")
+                return await rounds.load_state(True, carried, keep_progress=True)
+
+    try:
+        state = trio.run(main)
+    finally:
+        worker.close()
+    seeded, fetched = got
+    assert isinstance(seeded, c.SetState) and seeded.round == 0 and seeded.members == ["QmA", "QmB"]
+    assert isinstance(fetched, c.Fetch) and fetched.attested == (0, "d0")
+    handed = torch.frombuffer(bytearray((tmp_path / "snap").read_bytes()), dtype=torch.float32)
+    assert torch.equal(handed, initial)  # the outer process holds the carried state
+    assert torch.equal(compute.weights, initial + 0.5)  # no rebase: the weights are untouched
+    assert state.round == 0 and state.digest == "d0" and not rounds.loaded_from_replica
+
+
 def test_a_joiner_waits_for_the_attested_state_and_takes_no_unvouched_one(
     scripted: tuple[OuterLink, socket.socket],
 ) -> None:
