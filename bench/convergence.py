@@ -412,8 +412,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 out[f"{name}{sfx}"] = sum(d[name] for d in done)
         if ratios:
             out.update(_interval_json(f"traffic_ratio{sfx}", mean_interval(ratios)))
-        if done:  # zero with groups of two: the run is the one with outer_robust off
+        if done:  # both zero: the run is the one with outer_robust off
             out[f"robust_rejections{sfx}_per_seed"] = [d["robust_rejections"] for d in done]
+            out[f"robust_clipped{sfx}_per_seed"] = [d.get("robust_clipped", 0) for d in done]
             out[f"largest_group{sfx}"] = max(d["largest_group"] for d in done)
     return out
 
@@ -462,7 +463,8 @@ def _table(out: dict[str, Any]) -> None:
         per_seed = out.get(f"robust_rejections{SUFFIX[label]}_per_seed")
         if per_seed is not None:
             print(
-                f"{label}: robust aggregation left out {per_seed} part contributions (per seed);"
+                f"{label}: robust aggregation left out {per_seed} part contributions and"
+                f" clipped {out[f'robust_clipped{SUFFIX[label]}_per_seed']} (per seed);"
                 f" largest group {out[f'largest_group{SUFFIX[label]}']}"
             )
 

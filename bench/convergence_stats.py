@@ -13,9 +13,9 @@
   `agora bench outer-sweep`'s simulation.
 - `robust_rejections(applied)`: how often robust aggregation changed a swarm run's outer
   rounds: the part contributions its pair and direction rules left out, counted once per
-  group round from the nodes' `round_applied` events. Zero in a run whose groups never
-  held three members (centered clipping needs three) means the run computed exactly the
-  aggregates it would have with `outer_robust` off.
+  group round from the nodes' `round_applied` events, and the contributions centered
+  clipping scaled down, summed over every member's own reduction. Both zero means the
+  run computed exactly the aggregates it would have with `outer_robust` off.
 - `heldout_split(dataset, split)`: the dataset with its held-out tokens cut down to one
   split of the held-out shards: `heldout` (all of them), `validation` (the 2nd, 4th, ...
   held-out shard) or `test` (the 1st, 3rd, ...): validation and test are disjoint, so a
@@ -173,8 +173,10 @@ def robust_rejections(applied: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[
     """From (stage, `round_applied` event) pairs of every node of a run: its distinct group
     rounds (a group's members apply one (stage, round, digest), so each counts once), the
     largest group, the part contributions judged (a group of g members cuts g parts, each
-    judging every member's piece: g^2) and those that the robust rules (the pair bound and
-    the majority's direction, `node.diloco.ROBUST_REASONS`) left out."""
+    judging every member's piece: g^2), those that the robust rules (the pair bound and
+    the majority's direction, `node.diloco.ROBUST_REASONS`) left out, and those that
+    centered clipping scaled down (each member's `clipped`, for the reduction it did)."""
+    applied = list(applied)
     rounds: dict[tuple[int, int, str], Mapping[str, Any]] = {}
     for stage, e in applied:
         if int(e.get("group_size", 1)) > 1:
@@ -190,4 +192,5 @@ def robust_rejections(applied: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[
         "largest_group": max(sizes, default=1),
         "part_contributions": sum(g * g for g in sizes),
         "robust_rejections": rejected,
+        "robust_clipped": sum(int(e.get("clipped", 0)) for _stage, e in applied),
     }

@@ -56,6 +56,9 @@ class Aggregate:
     # the rejected ones no honest replica sends (non-finite, or a norm past the bounds),
     # as opposed to stale or zero-token ones: what a member reports to the coordinator
     suspect: set[int] = field(default_factory=set)
+    # contributions that centered clipping scaled down (0: the result is the plain
+    # weighted mean, bit for bit)
+    clipped: int = 0
 
 
 @dataclass(slots=True)
@@ -117,11 +120,13 @@ def rejection_reason(delta: torch.Tensor, ref_norm: float, cfg: DilocoConfig) ->
 
 def centered_clip(
     deltas: Sequence[torch.Tensor], weights: Sequence[float], tau: float, iters: int
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int]:
     """Weighted centered clipping (Karimireddy et al. 2021) started at the weighted medoid
     (the contribution with the least weighted distance to the others):
     `v <- v + sum_i w_i clip_tau(x_i - v) / sum_i w_i`, where clip scales a vector down to
-    norm `tau`. An outlier moves the result by at most `tau * w_i / sum w` per iteration."""
+    norm `tau`. An outlier moves the result by at most `tau * w_i / sum w` per iteration.
+    Also returns how many contributions were scaled down in some iteration: with none,
+    the first iteration lands on the weighted mean and the others stay there."""
     total = float(sum(weights))
     live = [i for i, w in enumerate(weights) if w != 0.0]
     cost = {
@@ -129,17 +134,20 @@ def centered_clip(
         for i in live
     }
     v = deltas[min(live, key=lambda i: (cost[i], i))].clone()
+    clipped: set[int] = set()
     for _ in range(iters):
         acc = torch.zeros_like(v)
-        for x, w in zip(deltas, weights, strict=True):
+        for i, (x, w) in enumerate(zip(deltas, weights, strict=True)):
             if w == 0.0:
                 continue
             diff = x - v
             norm = float(torch.linalg.vector_norm(diff))
             scale = min(1.0, tau / norm) if norm > 0.0 else 1.0
+            if scale < 1.0:
+                clipped.add(i)
             acc.add_(diff, alpha=w * scale)
         v = v + acc / total
-    return v
+    return v, len(clipped)
 
 
 def _weighted_mean(
@@ -162,8 +170,9 @@ def aggregate(contribs: Sequence[Contribution], ref_norm: float, cfg: DilocoConf
     zero-token ones and ones past the staleness bound. With `clip_radius > 0` the mean is replaced by
     centered clipping at that radius; otherwise, with three or more usable contributions
     and `clip_rel > 0` (the default), by centered clipping at `clip_rel` times their median
-    norm: contributions within that distance of the running centre count in full (the
-    weighted mean, up to rounding), and one member, however weighted, moves the result by
+    norm: when every contribution stays within that distance of the running centre the
+    result is the weighted mean, the same bits as without clipping (`Aggregate.clipped`
+    is 0), and one member, however weighted, moves the result by
     at most `tau * w_i / sum w` per iteration. The result depends only on the inputs and
     their order.
     """
@@ -377,11 +386,15 @@ def _aggregate(
     tau = clip_radius
     if tau <= 0.0 and cfg.clip_rel > 0.0 and len(usable) >= 3:
         tau = cfg.clip_rel * max(usable[(len(usable) - 1) // 2], 1e-12)
+    clipped = 0
     if tau > 0.0:
-        d = centered_clip(deltas, weights, tau, cfg.clip_iters)
-    else:
+        d, clipped = centered_clip(deltas, weights, tau, cfg.clip_iters)
+    if clipped == 0:  # what clipping computes then, in exact arithmetic, in the mean's bits
         d = _weighted_mean(deltas, weights, total)
-    return Aggregate(delta=d, tokens=tokens, weights=weights, rejected=rejected, suspect=suspect)
+    return Aggregate(
+        delta=d, tokens=tokens, weights=weights, rejected=rejected, suspect=suspect,
+        clipped=clipped,
+    )  # fmt: skip
 
 
 def nesterov_step(state: OuterState, d: torch.Tensor, eta_r: float, mu: float) -> None:

@@ -391,7 +391,7 @@ class OuterRounds:
                 contributed=result.contributed, carried=result.carried,
                 joined_early=self._joining,
                 digest=result.digest, agreed=list(result.agreed) if result.agreed else None,
-                rejected=dict(result.rejected),
+                rejected=dict(result.rejected), clipped=result.clipped,
             )  # fmt: skip
         else:
             log.warning(

@@ -93,7 +93,7 @@ def test_summarise_reports_each_seed_and_the_interval() -> None:
     rows = [
         {"seed": s, "swarm": {"gap_pct": g, "traffic_ratio": 100.0, "outer_bytes_total": 5.0,
                               "ddp_equivalent_bytes": 500.0, "robust_rejections": s,
-                              "largest_group": 2}}
+                              "robust_clipped": 2 * s, "largest_group": 2}}
         for s, g in ((0, 1.0), (1, 3.0))
     ]  # fmt: skip
     out = summarise(rows)
@@ -102,6 +102,7 @@ def test_summarise_reports_each_seed_and_the_interval() -> None:
     assert out["gap_pct_ci_low"] < 2.0 < out["gap_pct_ci_high"]
     assert "gap_churn_pct_mean" not in out and "gap_4stage_pct_mean" not in out
     assert out["robust_rejections_per_seed"] == [0, 1] and out["largest_group"] == 2
+    assert out["robust_clipped_per_seed"] == [0, 2]
     four = [r | {"4stage": r["swarm"] | {"gap_pct": 2 * r["swarm"]["gap_pct"]}} for r in rows]
     got = summarise(four)
     assert got["gap_4stage_pct_per_seed"] == [2.0, 6.0] and got["gap_4stage_pct_mean"] == 4.0
@@ -128,11 +129,14 @@ def test_robust_rejections_count_each_group_round_once() -> None:
         (1, member),  # stage 1's round 3 is another group round
         (0, {"round": 4, "group_size": 1, "digest": "e", "rejected": {}}),  # alone
         (0, {"round": 5, "group_size": 3, "digest": "f", "rejected": {"c": "part 2: pair"}}),
+        # each member counts the clipping of the part it reduced: summed, not deduplicated
+        (1, {"round": 6, "group_size": 3, "digest": "g", "rejected": {}, "clipped": 1}),
+        (1, {"round": 6, "group_size": 3, "digest": "g", "rejected": {}, "clipped": 2}),
     ]
-    got = robust_rejections(events)
+    got = robust_rejections(iter(events))
     assert got == {
-        "group_rounds": 3, "largest_group": 3, "part_contributions": 4 + 4 + 9,
-        "robust_rejections": 4,
+        "group_rounds": 4, "largest_group": 3, "part_contributions": 4 + 4 + 9 + 9,
+        "robust_rejections": 4, "robust_clipped": 3,
     }  # fmt: skip
     assert robust_rejections([])["largest_group"] == 1
 

@@ -115,13 +115,32 @@ def test_nan_and_huge_contributions_are_rejected() -> None:
 
 def test_centered_clipping_bounds_an_outliers_pull() -> None:
     xs = [t(0.0, 0.0), t(0.0, 0.0), t(100.0, 0.0)]
-    mean = centered_clip(xs, [1.0, 1.0, 1.0], tau=1e9, iters=1)
-    assert torch.allclose(mean, t(100.0 / 3, 0.0))  # a huge radius is the plain mean
-    v = centered_clip(xs, [1.0, 1.0, 1.0], tau=0.1, iters=50)
-    assert float(v[0]) < 1.0  # the mean would be 33.3
+    mean, clipped = centered_clip(xs, [1.0, 1.0, 1.0], tau=1e9, iters=1)
+    assert torch.allclose(mean, t(100.0 / 3, 0.0)) and clipped == 0  # the plain mean
+    v, clipped = centered_clip(xs, [1.0, 1.0, 1.0], tau=0.1, iters=50)
+    assert float(v[0]) < 1.0 and clipped == 1  # the mean would be 33.3
     cfg = DilocoConfig(clip_radius=0.1, clip_iters=50, max_rel_norm=1e3, max_median_ratio=1e9)
     agg = aggregate([Contribution(x, 1) for x in xs], 1.0, cfg)
     assert agg.delta is not None and float(agg.delta[0]) < 1.0
+
+
+def test_clipping_that_scales_nothing_gives_the_plain_means_bits() -> None:
+    """Contributions within the radius of each other are aggregated to the weighted mean's
+    exact bits, as with robust aggregation off (clip_rel 0), so an honest round that
+    clipping did not touch computes what the plain mean computes."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(4096, generator=gen)
+    contribs = [
+        Contribution(delta=base + 0.1 * torch.randn(4096, generator=gen), tokens=k)
+        for k in (100, 300, 700)
+    ]
+    robust = aggregate(contribs, 1e3, DilocoConfig())  # clip_rel 2 x the median norm
+    plain = aggregate(contribs, 1e3, DilocoConfig(clip_rel=0.0))
+    assert robust.clipped == 0 and robust.delta is not None and plain.delta is not None
+    assert torch.equal(robust.delta, plain.delta)
+    clipped = aggregate(contribs, 1e3, DilocoConfig(clip_radius=0.5))
+    assert clipped.clipped > 0 and clipped.delta is not None
+    assert not torch.equal(clipped.delta, plain.delta)
 
 
 def test_same_inputs_give_bitwise_identical_states() -> None:

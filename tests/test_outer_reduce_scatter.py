@@ -181,6 +181,7 @@ def test_a_reduced_part_resent_after_the_round_ended_is_acknowledged(
         config, 1_500_000,
     )  # fmt: skip
     assert all(r.applied for r in results) and len({r.digest for r in results}) == 1, results
+    assert [r.clipped for r in results] == [0, 0, 0]  # honest deltas: the plain mean's bits
     # matchmaking (3 s), the exchange, the 2 s wait and the resend: far less than 20 s
     assert results[2].seconds < config.matchmaking_s + 2.0 + 8.0, results[2]
 
@@ -203,7 +204,8 @@ def test_a_reducer_that_leaves_out_acknowledged_contributions_is_caught(
 
 
 @pytest.mark.parametrize(
-    "attack", ["scaled_delta", "nan_delta", "sign_flip", "noise", "inflated_claims"]
+    "attack",
+    ["scaled_delta", "stretched_delta", "nan_delta", "sign_flip", "noise", "inflated_claims"],
 )
 def test_a_member_with_a_hostile_contribution_is_rejected_or_bounded(
     links: list[OuterLink], child_env: dict[str, str], attack: str
@@ -211,7 +213,8 @@ def test_a_member_with_a_hostile_contribution_is_rejected_or_bounded(
     """C contributes its delta x 100, with NaNs, negated, or noise of its norm: every
     reducer rejects it (the median check, the finite check, the majority's direction),
     A and B end identical and their own contributions count; all but the noise, which
-    points across as an honest delta sometimes does, are reported.
+    points across as an honest delta sometimes does, are reported. C's delta x 5 passes
+    every rejection rule, and every reducer's centered clipping scales it down.
     Or C claims round 2**62 and 1e15 tokens: the aggregate counts the upper median round
     (A and B stay fresh, none is rejected) and C's tokens at most 4 x the median claim;
     A and B end identical. (They then do not step: the group's canonical state is still
@@ -227,6 +230,10 @@ def test_a_member_with_a_hostile_contribution_is_rejected_or_bounded(
         assert ra.tokens == rb.tokens == 100 + 200 + 4 * 200, (ra, rb)
         return
     assert ra.contributed and rb.contributed, (ra, rb)
+    if attack == "stretched_delta":  # within every rejection bound: clipping bounds it
+        assert ra.rejected == rb.rejected == {} and ra.clipped >= 1 and rb.clipped >= 1, (ra, rb)
+        return
+    assert ra.clipped == rb.clipped == 0, (ra, rb)  # the rest are left out, not clipped
     assert c.peer_id in ra.rejected and c.peer_id in rb.rejected, ra.rejected
     assert not any(p in ra.rejected for p in (a.peer_id, b.peer_id)), ra.rejected
     # each reduced C's contribution to its own part and caught it first-hand

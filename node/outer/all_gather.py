@@ -109,6 +109,7 @@ class AllGatherRounds(GroupRoundHost):
                 "rejected": {order[i].to_base58(): r for i, r in agg.rejected.items()},
                 # what this member saw itself: every member aggregates every contribution
                 "accused": {order[i].to_base58(): agg.rejected[i] for i in sorted(agg.suspect)},
+                "clipped": agg.clipped,  # every member computes the same aggregate
                 "tokens": agg.tokens,
                 "has_delta": agg.delta is not None,
                 "bytes_out": bytes_out_each * (len(group_info.peer_ids) - 1),

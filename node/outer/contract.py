@@ -381,6 +381,10 @@ class RoundResult:
     state_bytes_out: int = 0
     seconds: float  # wall time of the round in the outer process
     rejected: dict[str, str]  # peer -> reason for contributions left out
+    # contributions that centered clipping scaled down in this member's own reduction
+    # (its part; the whole vector in the all-gather scheme): 0 in every member's result
+    # means the round's aggregates are the plain weighted mean's bits
+    clipped: int = 0
     digest: str  # blake2b of (round, theta_g, m): equal digests mean bitwise-equal states
     # the chain of the state held now, ending with it (protocol.lineage)
     lineage: list[Link] = dataclasses.field(default_factory=list)
@@ -411,7 +415,9 @@ class RoundResult:
 
     @classmethod
     def from_wire(cls, obj: Any) -> Self:
-        d = fields_of(cls, obj, optional=("agreed", "accused", "carried", "records_refused"))
+        d = fields_of(
+            cls, obj, optional=("agreed", "accused", "carried", "records_refused", "clipped")
+        )
         rejected = _reasons(d["rejected"], "rejected")
         accused = _reasons(d.get("accused", {}), "accused")
         return cls(
@@ -429,6 +435,7 @@ class RoundResult:
             state_bytes_out=int_of(d, "state_bytes_out", cls, lo=0, hi=MAX_COUNT),
             seconds=float_of(d, "seconds", cls, lo=0.0, hi=MAX_WAIT_S),
             rejected=dict(rejected),
+            clipped=int_of(d, "clipped", cls, lo=0, hi=MAX_COUNT) if "clipped" in d else 0,
             digest=str_of(d, "digest", cls, max_len=MAX_DIGEST),
             lineage=lineage_of(d, cls),
             agreed=link_of(d, "agreed", cls),

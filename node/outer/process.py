@@ -395,8 +395,7 @@ class OuterProcess:
             # most of them name (node.outer.parts.group_canonical)
             "attested_round": attested[0] if attested is not None else -1,
             "attested_digest": attested[1] if attested is not None else "",
-            # the coordinator's signed word on this replica's work: groupmates bound its
-            # tokens by it (node.outer.credit)
+            # the coordinator's signed word that groupmates bound our tokens by (node.outer.credit)
             "credit": credit,
         }
         info: Any = None
@@ -458,6 +457,7 @@ class OuterProcess:
             state_bytes_out=state_out,
             seconds=time.monotonic() - t0,
             rejected=rejected,
+            clipped=int(info.get("clipped", 0)) if isinstance(info, dict) else 0,
             digest=self.digest,
             lineage=list(self.lineage),
             agreed=agreed,

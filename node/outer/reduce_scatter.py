@@ -78,6 +78,7 @@ class _Round:
         # contributions to our part that we rejected as no honest replica sends them
         # (peer base58 -> reason): first-hand, unlike the other reducers' manifests
         self.suspects: dict[str, str] = {}
+        self.clipped = 0  # contributions to our part that centered clipping scaled down
         self.changed = asyncio.Event()  # set whenever something arrives
         self.bytes_in = 0  # tensor bytes received (wire)
         self.bytes_out = 0  # tensor bytes sent and acknowledged (wire)
@@ -170,7 +171,7 @@ class ReduceScatterRounds(GroupRoundHost):
                     )  # fmt: skip
                 rnd.reducing = True  # later contributions are refused, not acknowledged
                 loop = asyncio.get_running_loop()
-                msg, manifest, rnd.suspects = await loop.run_in_executor(
+                msg, manifest, rnd.suspects, rnd.clipped = await loop.run_in_executor(
                     None, self._reduce, dict(rnd.contribs), peers, me, numel, ctx
                 )
                 decoded = _decoded(msg, bounds[me]) if msg is not None else None
@@ -230,9 +231,10 @@ class ReduceScatterRounds(GroupRoundHost):
         j: int,
         numel: int,
         ctx: dict[str, Any],
-    ) -> tuple[runtime_pb2.Tensor | None, list[Entry], dict[str, str]]:
-        """One part's aggregate, compressed once, its manifest (in the group's order) and
-        the contributions it rejected as suspect (peer base58 -> reason). Also the
+    ) -> tuple[runtime_pb2.Tensor | None, list[Entry], dict[str, str], int]:
+        """One part's aggregate, compressed once, its manifest (in the group's order), the
+        contributions it rejected as suspect (peer base58 -> reason) and how many centered
+        clipping scaled down (`Aggregate.clipped`). Also the
         auditor's re-computation: the same inputs give the same bytes. `j` is the part,
         reduced by member j, whose own contribution the others' are bounded against when
         there are two (`node.diloco.pair_problem`)."""
@@ -261,9 +263,10 @@ class ReduceScatterRounds(GroupRoundHost):
         ]
         suspects = {order[i].to_base58(): agg.rejected[i][:MAX_REASON] for i in sorted(agg.suspect)}
         if agg.delta is None:
-            return None, manifest, suspects
+            return None, manifest, suspects, agg.clipped
         d = agg.delta.contiguous()
-        return self._wire.compress(d, CompressionInfo.from_tensor(d, key=0)), manifest, suspects
+        msg = self._wire.compress(d, CompressionInfo.from_tensor(d, key=0))
+        return msg, manifest, suspects, agg.clipped
 
     def _check_reducers(
         self,
@@ -324,7 +327,7 @@ class ReduceScatterRounds(GroupRoundHost):
             listed[peer] = rnd.audits[peer]
         if [e.peer for e in manifest] != [p.to_base58() for p in rnd.peer_ids if p in listed]:
             return "its manifest is not in the group's order"
-        again, _, _ = self._reduce(listed, rnd.peer_ids, k, numel, ctx)
+        again, _, _, _ = self._reduce(listed, rnd.peer_ids, k, numel, ctx)
         if (again is None) != (msg is None):
             return "sent an update where the audit finds none, or none where it finds one"
         if again is not None and msg is not None and _digest_of(again) != _digest_of(msg):
@@ -374,6 +377,7 @@ class ReduceScatterRounds(GroupRoundHost):
             # first-hand: the contributions our own reduction rejected as suspect, and
             # the reducers this member caught (`_check_reducers`)
             "accused": {**{p: f"part {rnd.me}: {r}" for p, r in rnd.suspects.items()}, **findings},
+            "clipped": rnd.clipped,  # in our own part: every member's sum is the round's
             "tokens": token_sum // numel,
             "has_delta": any(got[0] is not None for got in rnd.reduced.values()),
             "bytes_out": rnd.bytes_out,

@@ -9,6 +9,8 @@ Attacks (`--attack`):
   whose contribution it acknowledged catches it (`own_entry_finding`);
 - `scaled_delta`, `nan_delta`: it contributes its pseudo-gradient times 100, or with NaNs
   and Infs;
+- `stretched_delta`: it contributes its pseudo-gradient times `STRETCH`, inside the
+  median check's bound and in the honest direction: only centered clipping bounds it;
 - `sign_flip`, `noise`: it contributes its pseudo-gradient negated, or random noise of the
   same norm (inside every norm bound);
 - `inflated_claims`: it claims round 2**62 and 10**15 tokens in its gathered metadata;
@@ -37,9 +39,10 @@ from typing import Any
 from swarmlab.chaos.schedule import FORGED_ROUND
 
 ATTACKS = (
-    "freeze_in_group", "own_part_only", "scaled_delta", "nan_delta", "sign_flip", "noise",
-    "inflated_claims", "state_takeover", "dht_forgery", "resend_late",
+    "freeze_in_group", "own_part_only", "scaled_delta", "stretched_delta", "nan_delta",
+    "sign_flip", "noise", "inflated_claims", "state_takeover", "dht_forgery", "resend_late",
 )  # fmt: skip
+STRETCH = 5.0  # `stretched_delta`'s factor: below the median check's 20 x, past clip_rel 2 x
 FORGED_RECORD_S = 120.0  # how far ahead `dht_forgery`'s records expire (s)
 LATE_RESEND_S = 2.0  # s after its acknowledgement that `resend_late` sends a part again
 
@@ -100,6 +103,8 @@ def rogue_averager(attack: str) -> Any:
             with self.get_tensors() as tensors:  # the contribution, as the host wrote it
                 if attack == "scaled_delta":
                     tensors[0].mul_(100.0)
+                elif attack == "stretched_delta":
+                    tensors[0].mul_(STRETCH)
                 elif attack == "nan_delta":
                     tensors[0][::7] = float("nan")
                     tensors[0][3::7] = float("inf")
